@@ -1,0 +1,349 @@
+"""HDF5 capture files: the only module that imports h5py. Imports accucheck.errors and keys.
+
+One capture = one HDF5 file, schema version 1. Everything below can be read with h5py alone:
+
+    /                       attrs: format = "accucheck", schema_version = 1 (int),
+                                   complete = True only after a clean close
+    /meta                   scalar UTF-8 string: JSON object (tool version, time, device,
+                            environment fingerprint, seed, dtype, mode, runner, store mode,
+                            model id / path / config hash / weight hash, capture options)
+    /index/key              [n] UTF-8 strings: record keys (see accucheck.keys), one row per record
+    /index/kind             [n] strings: "module" | "op" | "logits"
+    /index/dtype            [n] strings: torch dtype name of the captured tensor ("bfloat16", ...)
+    /index/shape            [n] strings: JSON list of ints
+    /index/stats            [n, 10] float64: min, max, mean, std, absmax, l2, nan, inf, zero, numel
+                            (min / max / mean / std over the finite elements; computed in float32
+                            for 16-bit inputs, float64 otherwise)
+    /index/checksum         [n] int64: sum of the raw bit patterns (as integers) mod 2**52
+    /index/data             [n] strings: dataset name under /tensors, "" in stats mode
+    /tensors/<8 digits>     the tensor in its original dtype and shape (chunked, optional
+                            gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
+                            dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
+                            gives the exact values.
+    /requests/<i>/prompt_ids     int64 token ids of prompt i
+    /requests/<i>/generated_ids  int64 token ids generated (or forced) at steps 1..N
+                                 (attribute `prompt`: the prompt text when known)
+
+Row order in /index is execution order (HDF5 iterates group members alphabetically, so
+"layers.10" would sort before "layers.2"; the index is an array and keeps call order).
+The index is appended as the capture runs and flushed after every step, so a capture killed
+midway still opens: `complete` is then false and readers refuse it unless asked not to.
+No pickle: strings, numbers and arrays only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import h5py
+import numpy as np
+
+from accucheck.errors import UserError
+from accucheck.keys import RecordKey
+
+FORMAT = "accucheck"
+SCHEMA_VERSION = 1
+STAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "zero", "numel")
+KINDS = ("module", "op", "logits")
+STORE_MODES = ("stats", "full")
+_STR = h5py.string_dtype("utf-8")
+_INDEX_COLUMNS = {
+    "key": _STR, "kind": _STR, "dtype": _STR, "shape": _STR, "data": _STR,
+    "checksum": np.int64,
+}
+_NATIVE = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+           "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32,
+           "int64": np.int64, "bool": np.bool_}
+REGENERATE_HINT = "re-run `accucheck capture` with this accucheck version to regenerate it"
+
+
+@dataclass(frozen=True)
+class Stats:
+    min: float
+    max: float
+    mean: float
+    std: float
+    absmax: float
+    l2: float
+    nan: int
+    inf: int
+    zero: int
+    numel: int
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> "Stats":
+        v = [float(x) for x in row]
+        return cls(v[0], v[1], v[2], v[3], v[4], v[5], int(v[6]), int(v[7]), int(v[8]), int(v[9]))
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in STAT_FIELDS}
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    key: RecordKey
+    order: int
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    stats: Stats
+    checksum: int
+    data: str  # dataset name under /tensors, "" when only statistics were stored
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.data)
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    prompt_ids: np.ndarray
+    generated_ids: np.ndarray
+    prompt: str | None
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Exact float32 values of bfloat16 numbers stored as their uint16 bit patterns."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class CaptureWriter:
+    """Append-only writer for one capture file.
+
+    Refuses to overwrite an existing file unless `force`. `add` buffers index rows and writes
+    tensors at once; `flush` (called by the recorder after every step) writes the buffered rows
+    and flushes HDF5, so a killed capture leaves a readable, incomplete file. Use as a context
+    manager: a clean exit sets `complete`, an exception leaves it false.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, meta: dict, store: str = "stats",
+                 force: bool = False, compression: str | None = None):
+        if store not in STORE_MODES:
+            raise UserError(f"unknown store mode {store!r}: use one of {', '.join(STORE_MODES)}")
+        if compression not in (None, "gzip", "lzf"):
+            raise UserError(f"unknown compression {compression!r}: use gzip or lzf")
+        self.path = Path(path)
+        if self.path.exists() and not force:
+            raise UserError(f"{self.path} exists: choose another -o or pass --force to overwrite it")
+        if not self.path.parent.exists():
+            raise UserError(f"output folder {self.path.parent} does not exist: create it first")
+        self.store = store
+        self.compression = compression
+        self._f = h5py.File(self.path, "w")
+        self._f.attrs["format"] = FORMAT
+        self._f.attrs["schema_version"] = SCHEMA_VERSION
+        self._f.attrs["complete"] = False
+        self._f.create_dataset("meta", data=json.dumps(dict(meta, store=store), sort_keys=True),
+                               dtype=_STR)
+        idx = self._f.create_group("index")
+        for name, dt in _INDEX_COLUMNS.items():
+            idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,))
+        idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)), maxshape=(None, len(STAT_FIELDS)),
+                           dtype=np.float64, chunks=(1024, len(STAT_FIELDS)))
+        self._f.create_group("tensors")
+        self._f.create_group("requests")
+        self._rows: list[tuple] = []
+        self._n = 0
+        self._seen: set[str] = set()
+        self._closed = False
+
+    def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
+            stats: np.ndarray, checksum: int, data: np.ndarray | None = None) -> None:
+        """Add one record. `data` (full mode only) is the tensor as a numpy array in its stored
+        representation (bfloat16 as uint16 bit patterns, `dtype` says "bfloat16")."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}")
+        skey = str(key)
+        if skey in self._seen:
+            raise ValueError(f"duplicate record key {skey}")
+        self._seen.add(skey)
+        order = self._n + len(self._rows)
+        name = ""
+        if data is not None and self.store == "full":
+            name = f"{order:08d}"
+            arr = np.ascontiguousarray(data)
+            chunks = _chunk_shape(arr.shape, arr.itemsize) if arr.size else None
+            ds = self._f["tensors"].create_dataset(
+                name, data=arr, chunks=chunks,
+                compression=self.compression if arr.size else None)
+            ds.attrs["dtype"] = dtype
+        self._rows.append((skey, kind, dtype, json.dumps([int(s) for s in shape]), name,
+                           int(checksum), np.asarray(stats, dtype=np.float64)))
+
+    def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
+                    prompt: str | None = None) -> None:
+        g = self._f["requests"].require_group(str(i))
+        for name, ids in (("prompt_ids", prompt_ids), ("generated_ids", generated_ids)):
+            if name in g:
+                del g[name]
+            g.create_dataset(name, data=np.asarray(list(ids), dtype=np.int64))
+        if prompt is not None:
+            g.attrs["prompt"] = prompt
+
+    def flush(self) -> None:
+        if self._rows:
+            idx = self._f["index"]
+            n0, k = self._n, len(self._rows)
+            cols = list(zip(*self._rows))
+            for j, name in enumerate(("key", "kind", "dtype", "shape", "data", "checksum")):
+                ds = idx[name]
+                ds.resize((n0 + k,))
+                ds[n0:] = np.asarray(cols[j], dtype=object if name != "checksum" else np.int64)
+            st = idx["stats"]
+            st.resize((n0 + k, len(STAT_FIELDS)))
+            st[n0:] = np.stack(cols[6])
+            self._n += k
+            self._rows.clear()
+        self._f.flush()
+
+    @property
+    def n_records(self) -> int:
+        return self._n + len(self._rows)
+
+    def close(self, complete: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush()
+            self._f.attrs["complete"] = bool(complete)
+        finally:
+            self._f.close()
+
+    def __enter__(self) -> "CaptureWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(complete=exc_type is None)
+
+
+def _chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = 1 << 20) -> tuple[int, ...]:
+    """Chunks of about `target` bytes, split along the leading axis."""
+    if not shape:
+        return ()
+    row = max(1, int(np.prod(shape[1:])) * itemsize)
+    lead = max(1, min(shape[0], target // row))
+    return (lead,) + tuple(shape[1:])
+
+
+class CaptureReader:
+    """Read-only view of a capture file. Open with `open_capture`.
+
+    Raises UserError (exit 3) for a missing / unreadable / foreign / wrong-version file, and for
+    an incomplete one unless `allow_incomplete`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"{self.path}: no such capture file")
+        try:
+            self._f = h5py.File(self.path, "r")
+        except OSError as e:
+            raise UserError(f"{self.path}: not a readable HDF5 file ({e.__class__.__name__}); "
+                            f"was the capture killed before its first flush?") from None
+        try:
+            self._check(allow_incomplete)
+            self.meta: dict = json.loads(_as_str(self._f["meta"][()]))
+            self.rows: list[IndexRow] = self._load_index()
+        except Exception:
+            self._f.close()
+            raise
+        self._by_key = {str(r.key): r for r in self.rows}
+
+    def _check(self, allow_incomplete: bool) -> None:
+        a = self._f.attrs
+        if _as_str(a.get("format", "")) != FORMAT:
+            raise UserError(f"{self.path}: not an accucheck capture (no format=accucheck attribute)")
+        version = int(a.get("schema_version", -1))
+        if version != SCHEMA_VERSION:
+            raise UserError(f"{self.path}: schema version {version}, this accucheck reads "
+                            f"{SCHEMA_VERSION}; HINT: {REGENERATE_HINT}")
+        self.complete = bool(a.get("complete", False))
+        if not self.complete and not allow_incomplete:
+            raise UserError(f"{self.path}: incomplete capture (the run was interrupted); "
+                            f"re-run the capture, or `accucheck inspect` it to see what it holds")
+
+    def _load_index(self) -> list[IndexRow]:
+        idx = self._f["index"]
+        n = min(idx[c].shape[0] for c in list(_INDEX_COLUMNS) + ["stats"])
+        cols = {c: idx[c][:n] for c in _INDEX_COLUMNS}
+        stats = idx["stats"][:n]
+        rows = []
+        for i in range(n):
+            rows.append(IndexRow(
+                key=RecordKey.parse(_as_str(cols["key"][i])), order=i,
+                kind=_as_str(cols["kind"][i]), dtype=_as_str(cols["dtype"][i]),
+                shape=tuple(json.loads(_as_str(cols["shape"][i]))),
+                stats=Stats.from_row(stats[i]), checksum=int(cols["checksum"][i]),
+                data=_as_str(cols["data"][i])))
+        return rows
+
+    @property
+    def store_mode(self) -> str:
+        return self.meta.get("store", "stats")
+
+    def row(self, key: RecordKey | str) -> IndexRow:
+        return self._by_key[str(key)]
+
+    def __contains__(self, key: RecordKey | str) -> bool:
+        return str(key) in self._by_key
+
+    def read(self, key: RecordKey | str) -> np.ndarray:
+        """The full tensor, exactly: bfloat16 comes back as float32 holding the same values."""
+        row = self.row(key)
+        if not row.has_data:
+            raise UserError(f"{self.path}: {key} has statistics only; capture with --store full")
+        return self._decode(self._f["tensors"][row.data][()], row.dtype)
+
+    def iter_chunks(self, key: RecordKey | str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
+        """The tensor as flat chunks of at most about `max_elems` elements, in C order, exact
+        values (bfloat16 as float32). Memory stays bounded whatever the tensor size."""
+        row = self.row(key)
+        if not row.has_data:
+            raise UserError(f"{self.path}: {key} has statistics only; capture with --store full")
+        ds = self._f["tensors"][row.data]
+        if ds.ndim == 0:
+            yield self._decode(np.asarray(ds[()]).reshape(1), row.dtype)
+            return
+        per_row = max(1, int(np.prod(ds.shape[1:])))
+        step = max(1, max_elems // per_row)
+        for i in range(0, ds.shape[0], step):
+            yield self._decode(ds[i:i + step], row.dtype).reshape(-1)
+
+    @staticmethod
+    def _decode(arr: np.ndarray, dtype: str) -> np.ndarray:
+        if dtype == "bfloat16":
+            return bf16_bits_to_float32(np.asarray(arr))
+        return np.asarray(arr)
+
+    @property
+    def requests(self) -> list[RequestTokens]:
+        g = self._f["requests"]
+        out = []
+        for name in sorted(g, key=int):
+            r = g[name]
+            prompt = r.attrs.get("prompt")
+            out.append(RequestTokens(r["prompt_ids"][()], r["generated_ids"][()],
+                                     _as_str(prompt) if prompt is not None else None))
+        return out
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "CaptureReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_capture(path: str | os.PathLike, *, allow_incomplete: bool = False) -> CaptureReader:
+    return CaptureReader(path, allow_incomplete=allow_incomplete)
+
+
+def _as_str(v) -> str:
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
