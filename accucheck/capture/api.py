@@ -1,0 +1,268 @@
+"""Capture API: a model (directory or nn.Module) + prompts on a device -> one HDF5 capture.
+
+Imports torch, transformers (through hf), accucheck.store and the recorder. The CLI's
+`capture` command is a thin layer over `capture_dir`; `capture_model` serves models the CLI
+cannot load (a custom nn.Module, a model already in memory).
+"""
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import signal
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+import accucheck
+from accucheck.capture import device as dev
+from accucheck.capture.hf import (config_hash, greedy_run, is_causal_lm, load_model_dir,
+                                  parse_dtype, weight_hash)
+from accucheck.capture.recorder import Recorder, select_modules
+from accucheck.errors import UserError
+from accucheck.store import CaptureWriter, open_capture
+
+MODES = ("eager", "graph")
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """Everything that shapes a capture; stored in the file's meta under `options`.
+
+    store: "stats" (index only, cheap) or "full" (tensors too).
+    include / exclude: glob patterns on module paths (include replaces the default selection).
+    record_inputs: also record module inputs (role "in"), needed for shadow replay.
+    tokens_from: a reference capture whose prompt and generated token ids this run must follow.
+    compile_backend: torch.compile backend for mode "graph" (default: inductor, or the torchair
+    NPU backend on NPU when installed).
+    """
+    device: str = "cpu"
+    dtype: str | None = None
+    mode: str = "eager"
+    store: str = "stats"
+    max_new_tokens: int = 0
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    record_inputs: bool = False
+    seed: int = 0
+    deterministic: bool = False
+    tokens_from: str | None = None
+    compression: str | None = None
+    compile_backend: str | None = None
+    force: bool = False
+    meta_extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"unknown mode {self.mode!r}: use eager or graph")
+        if self.max_new_tokens < 0:
+            raise UserError("--max-new-tokens must be >= 0")
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+        dev.parse_device(self.device)
+
+
+def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
+                opts: CaptureOptions, *, trust_remote_code: bool = False) -> Path:
+    """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture."""
+    _check_out(out, opts.force)
+    spec = dev.parse_device(opts.device)
+    tdev = dev.torch_device(spec)
+    dtype = parse_dtype(opts.dtype or "float32")
+    model, tokenizer = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
+    extra = dict(opts.meta_extra, model_path=str(Path(model_dir).resolve()))
+    return capture_model(model, prompts, out, tokenizer=tokenizer,
+                         opts=CaptureOptions(**{**asdict(opts), "dtype": _dtype_name(dtype),
+                                                "meta_extra": extra}))
+
+
+def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]],
+                  out: str | Path, *, tokenizer=None, opts: CaptureOptions | None = None,
+                  **kwargs) -> Path:
+    """Capture `model` on `prompts` (strings, with `tokenizer`; or lists of token ids) into `out`.
+
+    Options come as a CaptureOptions or as its fields in **kwargs. The model is not modified:
+    if `opts.dtype` or `opts.device` differ from the model's, a copy is converted; hooks are
+    removed afterwards, also on error. Returns the path of the complete capture. Raises
+    UserError for bad input; a capture interrupted midway leaves a file marked incomplete.
+    """
+    opts = opts or CaptureOptions(**kwargs)
+    _check_out(out, opts.force)
+    spec = dev.parse_device(opts.device)
+    tdev = dev.torch_device(spec)
+    model = _on(model, tdev, parse_dtype(opts.dtype) if opts.dtype else None)
+    dtype_name = _dtype_name(next(model.parameters()).dtype)
+    causal = is_causal_lm(model)
+    prompt_ids = _prompt_ids(prompts, tokenizer)
+    forced = _forced_tokens(opts.tokens_from, model, prompt_ids, prompts, tokenizer,
+                            opts.max_new_tokens) if opts.tokens_from else None
+    if forced is not None:
+        prompt_ids = [f[0] for f in forced]
+    seeded = dev.seed_everything(opts.seed, spec)
+    determinism = dev.set_deterministic(spec) if opts.deterministic else {}
+    modules = select_modules(model, opts.include, opts.exclude)
+    if not modules:
+        raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
+                        " to see the module paths")
+    backend = _backend(spec, opts) if opts.mode == "graph" else None
+    meta = {
+        "tool": "accucheck", "tool_version": accucheck.__version__,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "runner": "hf", "device": str(spec), "dtype": dtype_name, "mode": opts.mode,
+        "compile_backend": backend, "seed": seeded, "determinism": determinism,
+        "environment": dev.fingerprint(spec),
+        "model": {"class": type(model).__name__, "causal_lm": causal,
+                  "config_hash": config_hash(model), "weight_hash": weight_hash(model),
+                  "config": _config_dict(model),
+                  "attn_implementation": getattr(getattr(model, "config", None),
+                                                 "_attn_implementation", None)},
+        "modules": modules,
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
+        **opts.meta_extra,
+    }
+    writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
+                           compression=opts.compression)
+    recorder = Recorder(model, writer, modules, record_inputs=opts.record_inputs,
+                        graph=opts.mode == "graph")
+    complete = False
+    try:
+        with _sigterm_as_interrupt(), recorder.hooks():
+            # hooks are in place BEFORE compilation: hooks added later never fire in the graph
+            forward = torch.compile(model, backend=backend, dynamic=True) \
+                if opts.mode == "graph" else model
+            for r, ids in enumerate(prompt_ids):
+                state = {"step": 0}
+
+                def on_step(step, r=r, state=state):
+                    state["step"] = step
+                    recorder.begin_step(r, step)
+
+                def on_logits(logits):
+                    recorder.end_step(logits)
+
+                gen = greedy_run(forward, ids, tdev, opts.max_new_tokens,
+                                 forced=forced[r][1] if forced else None,
+                                 on_step=on_step, on_logits=on_logits, causal=causal)
+                writer.set_request(r, gen.prompt_ids, gen.generated_ids,
+                                   prompts[r] if isinstance(prompts[r], str) else None)
+                writer.flush()
+        complete = True
+    finally:
+        writer.close(complete=complete)
+    return Path(out)
+
+
+def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
+    return select_modules(model, include, exclude)
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _check_out(out: str | Path, force: bool) -> None:
+    p = Path(out)
+    if p.exists() and not force:
+        raise UserError(f"{p} exists: choose another -o or pass --force to overwrite it")
+    if not p.parent.exists():
+        raise UserError(f"output folder {p.parent} does not exist: create it first")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """The model on `device` / `dtype`, converting a copy when needed (never the user's)."""
+    p = next(model.parameters(), None)
+    if p is None:
+        raise UserError("the model has no parameters")
+    if p.device == device and (dtype is None or p.dtype == dtype):
+        return model.eval() if not model.training else copy.deepcopy(model).eval()
+    m = copy.deepcopy(model)
+    return m.to(device=device, dtype=dtype).eval() if dtype else m.to(device).eval()
+
+
+def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
+    if not prompts:
+        raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise UserError("text prompts need a tokenizer (or pass token id lists)")
+            ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(i) for i in p]
+        if not ids:
+            raise UserError(f"prompt {p!r} tokenizes to nothing")
+        out.append(list(ids))
+    return out
+
+
+def _forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
+    """(prompt_ids, generated_ids) per request from a reference capture, after checking it
+    was made with the same model architecture and tokenizer."""
+    with open_capture(path) as ref:
+        ref_model = ref.meta.get("model", {})
+        requests = ref.requests
+    if ref_model.get("config_hash") and ref_model["config_hash"] != config_hash(model):
+        raise UserError(f"--tokens-from {path}: captured with another model (config hash "
+                        f"{ref_model['config_hash']} vs {config_hash(model)}); use a capture of "
+                        f"the same model")
+    if len(requests) != len(prompt_ids):
+        raise UserError(f"--tokens-from {path}: it has {len(requests)} prompts, this run "
+                        f"{len(prompt_ids)}; pass the same prompts")
+    out = []
+    for i, (req, ids) in enumerate(zip(requests, prompt_ids)):
+        ref_ids = [int(x) for x in req.prompt_ids]
+        if ref_ids != list(ids):
+            raise UserError(f"--tokens-from {path}: prompt {i} tokenizes differently here "
+                            f"({len(ids)} vs {len(ref_ids)} ids; another tokenizer or prompt?)")
+        gen = [int(x) for x in req.generated_ids]
+        if len(gen) < max_new_tokens:
+            raise UserError(f"--tokens-from {path}: prompt {i} has {len(gen)} generated tokens, "
+                            f"fewer than --max-new-tokens {max_new_tokens}")
+        vocab = model.get_output_embeddings().weight.shape[0] \
+            if model.get_output_embeddings() is not None else None
+        if vocab is not None and any(t >= vocab for t in ref_ids + gen):
+            raise UserError(f"--tokens-from {path}: token ids beyond this model's vocabulary "
+                            f"({vocab}); another tokenizer?")
+        out.append((ref_ids, gen[:max_new_tokens]))
+    return out
+
+
+def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> str | object:
+    if opts.compile_backend:
+        return opts.compile_backend
+    if spec.kind == "npu":
+        try:
+            import torchair  # noqa: F401  (documented torch_npu graph backend)
+            return "torchair"
+        except ImportError:
+            return "npugraph_ex" if hasattr(torch, "npu") else "inductor"
+    return "inductor"
+
+
+def _config_dict(model: nn.Module) -> dict | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    return json.loads(json.dumps(cfg.to_dict(), default=str))
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A `kill` (SIGTERM) during capture ends it like Ctrl-C: the file is closed, incomplete."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not in the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,260 @@
+"""Forward-hook recorder: selects modules, copies what they produce, writes records.
+
+Imports torch, accucheck.keys and accucheck.store (never h5py directly).
+
+Hooks are a scoped resource: `Recorder.hooks()` registers them, keeps every handle and removes
+them in `finally`, also when forward raises. The user's model is never modified beyond the
+hooks (which are removed) and tensors are copied before anything else sees them.
+
+Graph mode: hooks are registered BEFORE torch.compile and do not read Python state (request,
+step and call counters are assigned afterwards, in `end_step`), so the compiled graph does not
+guard on them. In graph mode a hook only appends a detached clone to a list that dynamo replays
+as a side effect; statistics are computed after the forward. In eager mode the hook computes the
+statistics at once on the device (one small tensor per record, moved to the host once per step).
+"""
+from __future__ import annotations
+
+import fnmatch
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, layer_of
+from accucheck.store import CaptureWriter, bf16_bits_to_float32
+
+_EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "word_embeddings", "embed_in")
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
+_SKIP_CLASSES = ("Dropout", "Identity", "RotaryEmbedding")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def default_modules(model: nn.Module) -> list[str]:
+    """Embeddings, every decoder layer and its direct children (attention, MLP, norms), the
+    final norm. lm_head is left out: its output is the `logits` record."""
+    layer_blocks = {name for name, m in model.named_modules()
+                    if name and layer_of(name) is not None and name.split(".")[-1].isdigit()
+                    and name == _layer_block(name)}
+    picked = []
+    for name, mod in model.named_modules():
+        if not name or type(mod).__name__.endswith(_SKIP_CLASSES):
+            continue
+        leaf = name.split(".")[-1]
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if (leaf in _EMBED_NAMES and layer_of(name) is None) or name in layer_blocks \
+                or parent in layer_blocks \
+                or (leaf in _FINAL_NORM_NAMES and layer_of(name) is None):
+            picked.append(name)
+    return picked
+
+
+def _layer_block(name: str) -> str:
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def select_modules(model: nn.Module, include: Sequence[str] | None = None,
+                   exclude: Sequence[str] | None = None) -> list[str]:
+    """Module paths to hook, in `named_modules` order. `include` globs replace the default
+    selection; `exclude` globs then remove paths."""
+    if include:
+        names = [n for n, _ in model.named_modules()
+                 if n and any(fnmatch.fnmatchcase(n, p) for p in include)]
+    else:
+        names = default_modules(model)
+    if exclude:
+        names = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+    return names
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Tensors inside tensors / tuples / lists / dicts / ModelOutput, with their slot names.
+    None and non-tensor leaves (caches, ints) are skipped."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix or "0", obj)]
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, dict):  # ModelOutput is an OrderedDict
+        items = [(clean_slot(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    else:
+        return out
+    for k, v in items:
+        out.extend(flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def tensor_stats(t: torch.Tensor) -> torch.Tensor:
+    """min, max, mean, std, absmax, l2, nan, inf, zero, numel, checksum as one float64 tensor
+    on t's device (no host sync). Non-finite values poison min..l2; `finish_stats` recomputes
+    those on the host for the rare tensor that has any."""
+    x = t.detach()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    n = xf.numel()
+    s = xf.sum()
+    s2 = (xf * xf).sum()
+    mean = s / max(n, 1)
+    var = (s2 - s * mean) / max(n - 1, 1)
+    if n:
+        mn, mx = torch.aminmax(xf)
+    else:
+        mn = mx = s
+    bits = x.contiguous().view(_BITS[x.element_size()]) if x.is_floating_point() else x
+    checksum = torch.remainder(bits.to(torch.int64).sum(), 2**52)
+    return torch.stack([
+        mn.to(torch.float64), mx.to(torch.float64), mean.to(torch.float64),
+        var.clamp(min=0).sqrt().to(torch.float64), torch.maximum(mx.abs(), mn.abs()).to(torch.float64),
+        s2.sqrt().to(torch.float64), torch.isnan(xf).sum().to(torch.float64),
+        torch.isinf(xf).sum().to(torch.float64), (xf == 0).sum().to(torch.float64),
+        torch.tensor(float(n), dtype=torch.float64, device=xf.device), checksum.to(torch.float64),
+    ])
+
+
+def finish_stats(row: np.ndarray, host: np.ndarray | None) -> np.ndarray:
+    """Host-side fix-up of a stats row: min..l2 over finite values when some were NaN/Inf."""
+    if row[6] + row[7] == 0 or host is None:
+        return row
+    v = host.astype(np.float64).ravel()
+    f = v[np.isfinite(v)]
+    if f.size:
+        row[0:6] = [f.min(), f.max(), f.mean(), f.std(ddof=1) if f.size > 1 else 0.0,
+                    np.abs(f).max(), np.sqrt((f * f).sum())]
+    else:
+        row[0:6] = np.nan
+    return row
+
+
+def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """Copy to a numpy array in the stored representation (bfloat16 -> uint16 bits)."""
+    x = t.detach().to("cpu", copy=True).contiguous()
+    dtype = str(x.dtype).replace("torch.", "")
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16), dtype
+    return x.numpy(), dtype
+
+
+@dataclass
+class _Pending:
+    module: str
+    role: str
+    slot: str
+    kind: str
+    tensor: torch.Tensor | None  # graph mode: clone awaiting statistics
+    stats: torch.Tensor | None   # eager mode: statistics already on the device
+    host: np.ndarray | None
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Recorder:
+    """Records module outputs (and inputs) of one model into a CaptureWriter.
+
+    Call `begin_step(req, step)` before each forward and `end_step(logits=...)` after it.
+    """
+
+    def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
+                 record_inputs: bool = False, graph: bool = False):
+        self.model = model
+        self.writer = writer
+        self.modules = list(modules)
+        self.record_inputs = record_inputs
+        self.graph = graph
+        self.full = writer.store == "full"
+        self._pending: list[_Pending] = []
+        self._req = 0
+        self._step = 0
+        self.handles: list[Any] = []
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _make_hook(self, name: str, role: str):
+        pending = self._pending
+        if self.graph:
+            def hook_graph(_mod, *args):
+                obj = args[-1] if role == "out" else _inputs_of(args)
+                for slot, t in flatten(obj):
+                    pending.append(_Pending(name, role, slot, "module", t.detach().clone(),
+                                            None, None, "", ()))
+            return hook_graph
+
+        full = self.full
+
+        def hook_eager(_mod, *args):
+            obj = args[-1] if role == "out" else _inputs_of(args)
+            for slot, t in flatten(obj):
+                host, dtype = to_host(t) if full else (None, str(t.dtype).replace("torch.", ""))
+                pending.append(_Pending(name, role, slot, "module", None, tensor_stats(t), host,
+                                        dtype, tuple(t.shape)))
+        return hook_eager
+
+    @contextmanager
+    def hooks(self) -> Iterator["Recorder"]:
+        """Register hooks on the selected modules; remove every one on exit, also on error."""
+        by_name = dict(self.model.named_modules())
+        missing = [n for n in self.modules if n not in by_name]
+        if missing:
+            raise ValueError(f"modules not in model: {missing[:5]}")
+        try:
+            for name in self.modules:
+                mod = by_name[name]
+                if self.record_inputs:
+                    self.handles.append(mod.register_forward_pre_hook(
+                        self._make_hook(name, "in"), with_kwargs=True))
+                self.handles.append(mod.register_forward_hook(self._make_hook(name, "out")))
+            yield self
+        finally:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            self._pending.clear()
+
+    # -- steps ---------------------------------------------------------------------------
+    def begin_step(self, req: int, step: int) -> None:
+        self._pending.clear()
+        self._req, self._step = req, step
+
+    def end_step(self, logits: torch.Tensor | None = None) -> int:
+        """Turn what the hooks collected (plus the step's logits) into records; flush.
+        Returns the number of records written."""
+        items = list(self._pending)
+        self._pending.clear()
+        if logits is not None:
+            items.append(_Pending(LOGITS_MODULE, "out", "0", "logits", logits.detach(), None,
+                                  None, "", ()))
+        for p in items:
+            if p.stats is None:  # graph mode / logits: statistics now
+                t = p.tensor
+                p.stats = tensor_stats(t)
+                p.dtype, p.shape = str(t.dtype).replace("torch.", ""), tuple(t.shape)
+                if self.full:
+                    p.host, _ = to_host(t)
+                p.tensor = None
+        if not items:
+            return 0
+        rows = torch.stack([p.stats for p in items]).to("cpu").numpy()  # one transfer per step
+        calls: dict[tuple[str, str, str], int] = {}
+        for p, row in zip(items, rows):
+            n = calls.get((p.module, p.role, p.slot), 0)
+            calls[(p.module, p.role, p.slot)] = n + 1
+            key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
+            # stats mode: a NaN/Inf-holding tensor keeps NaN-poisoned min..l2; counts are exact
+            host = None if p.host is None else (
+                bf16_bits_to_float32(p.host) if p.dtype == "bfloat16" else p.host)
+            stats = finish_stats(row[:10].copy(), host)
+            self.writer.add(key, p.kind, p.dtype, p.shape, stats, int(row[10]), p.host)
+        self.writer.flush()
+        return len(items)
+
+
+def _inputs_of(args: tuple) -> dict:
+    """Forward-pre-hook (with_kwargs) arguments `(positional, kwargs)` as one dict."""
+    pos, kw = args
+    out = {str(i): v for i, v in enumerate(pos)}
+    out.update(kw or {})
+    return out
