@@ -1,0 +1,3 @@
+from accucheck.cli import main
+
+main()

@@ -1,0 +1,223 @@
+"""Command line: argument parsing + one library call + exit-code mapping per command.
+
+Imports click and accucheck stages lazily per command: `accucheck diff` must not import torch.
+Payload goes to stdout (or -o), progress and logs to stderr. A UserError becomes one line on
+stderr and its exit code (3 = bad input); click usage errors exit 2; anything else is a bug and
+keeps its traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from accucheck.errors import EXIT_BAD_INPUT, UserError
+
+TINY = "@tiny"
+
+
+def err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="accucheck")
+def cli() -> None:
+    """accucheck: does the NPU produce the same numbers as the GPU?
+
+    capture per-layer activations and logits into HDF5, diff two captures, find where
+    divergence starts and who is wrong, sign off a release."""
+
+
+def read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[str]:
+    """--prompt values, then the lines of --prompts FILE (plain text, one prompt a line, or
+    JSONL with a "prompt" / "text" field or a JSON string per line)."""
+    out = list(prompts)
+    if prompts_file:
+        p = Path(prompts_file)
+        if not p.is_file():
+            raise UserError(f"prompts file {p} does not exist")
+        try:
+            lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except UnicodeDecodeError:
+            raise UserError(f"prompts file {p} is not UTF-8 text") from None
+        if not lines:
+            raise UserError(f"prompts file {p} is empty: one prompt per line, or JSONL")
+        jsonl = p.suffix == ".jsonl" or lines[0].lstrip().startswith(("{", '"'))
+        for i, ln in enumerate(lines, 1):
+            if not jsonl:
+                out.append(ln)
+                continue
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{p}:{i}: not valid JSON ({e.msg}); JSONL needs one JSON "
+                                f"object per line") from None
+            text = obj if isinstance(obj, str) else (
+                obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None)
+            if not isinstance(text, str) or not text:
+                raise UserError(f"{p}:{i}: no \"prompt\" or \"text\" string in this line")
+            out.append(text)
+    if not out:
+        raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    return out
+
+
+def _model_dir(model: str) -> Path:
+    if model == TINY:
+        from accucheck.capture.tiny import tiny_model_dir
+
+        return tiny_model_dir()
+    return Path(model)
+
+
+def _engine_args(pairs: tuple[str, ...]) -> dict:
+    out = {}
+    for pair in pairs:
+        k, sep, v = pair.partition("=")
+        if not sep or not k:
+            raise UserError(f"--engine-arg {pair!r}: use KEY=VALUE (VALUE may be JSON)")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False),
+              help="capture file to write (.h5); refused if it exists unless --force")
+@click.option("--runner", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:i] or npu[:i]")
+@click.option("--dtype", default="float32", show_default=True,
+              help="float32, float16, bfloat16 or float64")
+@click.option("--mode", default="eager", show_default=True,
+              help="eager, or graph (torch.compile; vLLM: compiled + CUDA/ACL graphs)")
+@click.option("--store", type=click.Choice(["stats", "full"]), default="stats", show_default=True,
+              help="stats: per-tensor statistics only; full: tensors too")
+@click.option("--prompt", "prompts", multiple=True, help="a prompt (repeatable)")
+@click.option("--prompts", "prompts_file", help="file of prompts: text lines or JSONL")
+@click.option("--max-new-tokens", default=0, show_default=True, type=int,
+              help="greedy decode steps after the prefill (step 0)")
+@click.option("--include", multiple=True, help="glob on module paths (replaces the default set)")
+@click.option("--exclude", multiple=True, help="glob on module paths to leave out")
+@click.option("--inputs", "record_inputs", is_flag=True, help="also record module inputs")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--deterministic", is_flag=True, help="deterministic algorithms (slower)")
+@click.option("--tokens-from", type=click.Path(dir_okay=False),
+              help="teacher forcing: follow this reference capture's prompt and generated tokens")
+@click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None)
+@click.option("--compile-backend", default=None, help="torch.compile backend for --mode graph")
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help="vLLM engine option KEY=VALUE (JSON values), e.g. tensor_parallel_size=2")
+@click.option("--trust-remote-code", is_flag=True, help="run the model directory's own code")
+@click.option("--list-modules", is_flag=True, help="print the module paths that would be hooked")
+@click.option("--force", is_flag=True, help="overwrite the output file")
+def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
+            max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
+            compression, compile_backend, engine_args, trust_remote_code, list_modules, force):
+    """Run MODEL (a local Hugging Face directory, or @tiny for the built-in tiny Llama) on the
+    prompts and write one HDF5 capture."""
+    from accucheck.capture.api import CaptureOptions
+
+    opts = CaptureOptions(device=device, dtype=dtype, mode=mode, store=store,
+                          max_new_tokens=max_new_tokens, include=tuple(include),
+                          exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
+                          deterministic=deterministic, tokens_from=tokens_from,
+                          compression=compression, compile_backend=compile_backend, force=force)
+    model_dir = _model_dir(model)
+    if list_modules:
+        from accucheck.capture.api import list_modules as lm
+        from accucheck.capture.device import parse_device, torch_device
+        from accucheck.capture.hf import load_model_dir, parse_dtype
+
+        m, _ = load_model_dir(model_dir, parse_dtype(dtype), torch_device(parse_device(device)),
+                              trust_remote_code=trust_remote_code)
+        click.echo("\n".join(lm(m, include, exclude)))
+        return 0
+    plist = read_prompts(prompts, prompts_file)
+    err(f"capturing {model_dir} on {device} ({dtype}, {mode}, store {store}) "
+        f"for {len(plist)} prompt(s), {max_new_tokens} decode step(s) -> {out}")
+    try:
+        if runner == "vllm":
+            from accucheck.capture.vllm_runner import capture_vllm
+
+            path = capture_vllm(model_dir, plist, out, opts, _engine_args(engine_args))
+        else:
+            if engine_args:
+                raise UserError("--engine-arg is for --runner vllm")
+            from accucheck.capture.api import capture_dir
+
+            path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: {out} is left marked incomplete; re-run the capture "
+                        f"(with --force) to replace it") from None
+    err(f"wrote {path}")
+    return 0
+
+
+@cli.command()
+@click.argument("capture_file", type=click.Path(dir_okay=False))
+@click.option("--filter", "pattern", help="glob on record keys, e.g. '*layers.2*'")
+@click.option("--step", type=int, help="only this step")
+@click.option("--limit", type=int, default=None, help="at most this many records")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def inspect(capture_file, pattern, step, limit, fmt):
+    """Show a capture: meta, environment, records with statistics. Exit 3 if incomplete."""
+    from accucheck.inspect import RecordFilter, render
+    from accucheck.store import open_capture
+
+    with open_capture(capture_file, allow_incomplete=True) as r:
+        click.echo(render(r, RecordFilter(pattern, step, limit), fmt))
+        if not r.complete:
+            raise UserError(f"{capture_file}: incomplete capture (interrupted): the records above "
+                            f"are what was flushed; re-run the capture")
+    return 0
+
+
+@cli.command("tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--force", is_flag=True, help="write into a non-empty directory")
+def tiny_model(directory, seed, force):
+    """Write the built-in tiny Llama (+ tokenizer) to DIRECTORY: the same weights on every
+    machine for a given seed, so GPU and NPU captures compare."""
+    from accucheck.capture.tiny import write_tiny_model
+
+    d = Path(directory)
+    if d.exists() and any(d.iterdir()) and not force:
+        raise UserError(f"{d} is not empty: choose another directory or pass --force")
+    err(f"wrote {write_tiny_model(d, seed)}")
+    return 0
+
+
+@cli.command()
+@click.option("--out-dir", default="accucheck-demo", show_default=True,
+              type=click.Path(file_okay=False), help="where the demo writes its captures")
+@click.option("--force", is_flag=True, help="overwrite earlier demo files")
+def demo(out_dir, force):
+    """Build the tiny model offline, capture a reference and a candidate with a planted fault,
+    and show where they diverge."""
+    from accucheck.demo import run_demo
+
+    return run_demo(Path(out_dir), force=force, echo=click.echo, log=err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="accucheck", standalone_mode=False)
+    except UserError as e:
+        err(f"accucheck: error: {e}")
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        err("accucheck: interrupted")
+        sys.exit(EXIT_BAD_INPUT)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,89 @@
+"""`accucheck inspect`: describe one capture (meta, environment, records with statistics).
+
+Imports accucheck.store and tabulate; never torch.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from accucheck.store import CaptureReader, IndexRow
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    pattern: str | None = None  # glob on the record key, e.g. "*layers.2*" or "r0.s0:*"
+    step: int | None = None
+    limit: int | None = None
+
+    def select(self, rows: list[IndexRow]) -> list[IndexRow]:
+        out = [r for r in rows
+               if (self.step is None or r.key.step == self.step)
+               and (self.pattern is None or fnmatch.fnmatchcase(str(r.key), self.pattern))]
+        return out[: self.limit] if self.limit else out
+
+
+def summary(reader: CaptureReader) -> dict:
+    m = reader.meta
+    env = m.get("environment", {})
+    steps = sorted({r.key.step for r in reader.rows})
+    return {
+        "file": str(reader.path),
+        "complete": reader.complete,
+        "runner": m.get("runner"), "device": m.get("device"), "dtype": m.get("dtype"),
+        "mode": m.get("mode"), "compile_backend": m.get("compile_backend"),
+        "store": reader.store_mode, "seed": (m.get("seed") or {}).get("seed"),
+        "model": {k: v for k, v in (m.get("model") or {}).items() if k != "config"},
+        "model_path": m.get("model_path"),
+        "records": len(reader.rows), "requests": len(reader.requests), "steps": len(steps),
+        "environment": {"device_name": env.get("device_name"), "python": env.get("python"),
+                        "cann": env.get("cann"), **env.get("packages", {}),
+                        "env": env.get("env", {})},
+        "time": m.get("time"), "tool_version": m.get("tool_version"),
+    }
+
+
+def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
+    info = summary(reader)
+    rows = flt.select(reader.rows)
+    if fmt == "json":
+        info["record_list"] = [{"key": str(r.key), "order": r.order, "kind": r.kind,
+                                "dtype": r.dtype, "shape": list(r.shape),
+                                "stats": r.stats.as_dict(), "checksum": r.checksum,
+                                "has_data": r.has_data} for r in rows]
+        return json.dumps(info, indent=1, default=str)
+    head = [
+        ("complete", "yes" if reader.complete else "NO: INCOMPLETE capture (interrupted); "
+                                                   "re-run it before comparing"),
+        ("runner / device", f"{info['runner']} / {info['device']} "
+                            f"({info['environment'].get('device_name')})"),
+        ("dtype / mode", f"{info['dtype']} / {info['mode']}"
+                         + (f" (backend {info['compile_backend']})" if info['compile_backend'] else "")),
+        ("store", info["store"]),
+        ("model", f"{info['model'].get('class')} config {info['model'].get('config_hash')} "
+                  f"weights {info['model'].get('weight_hash')}"),
+        ("records", f"{info['records']} over {info['requests']} prompt(s), {info['steps']} step(s)"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in info["environment"].items()
+                               if k not in ("env", "device_name") and v)),
+        ("numerics env", ", ".join(f"{k}={v}" for k, v in info["environment"]["env"].items())
+         or "(none set)"),
+        ("captured", f"{info['time']} by accucheck {info['tool_version']}"),
+    ]
+    table = [[r.order, str(r.key), r.dtype, "x".join(map(str, r.shape)),
+              _g(r.stats.min), _g(r.stats.max), _g(r.stats.mean), _g(r.stats.std),
+              _g(r.stats.l2), r.stats.nan + r.stats.inf]
+             for r in rows]
+    shown = f"{len(rows)} of {len(reader.rows)} records"
+    return "\n".join([
+        tabulate(head, tablefmt="plain"), "",
+        tabulate(table, headers=["#", "key", "dtype", "shape", "min", "max", "mean", "std",
+                                 "l2", "nan+inf"], tablefmt="simple"),
+        shown,
+    ])
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"

@@ -1,0 +1,30 @@
+"""Shared fixtures: the tiny model built once per test session, offline."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Directory of the built-in tiny Llama (seed 0), built once per session."""
+    from accucheck.capture.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(model, tokenizer) of the tiny Llama in float32 on the CPU. Do not mutate it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    yield
