@@ -178,6 +178,59 @@ def inspect(capture_file, pattern, step, limit, fmt):
     return 0
 
 
+@cli.command()
+@click.argument("ref", type=click.Path(dir_okay=False))
+@click.argument("cand", type=click.Path(dir_okay=False))
+@click.option("--golden", type=click.Path(dir_okay=False),
+              help="high-precision capture of the same prompts and tokens (e.g. float64 CPU, "
+                   "--tokens-from REF): labels each record cand worse / ref worse / both within "
+                   "noise")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md"]),
+              default="table", show_default=True)
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
+              help="write the report here instead of stdout (refused if it exists unless --force)")
+@click.option("--force", is_flag=True, help="overwrite -o")
+@click.option("--rel-l2", type=float, default=None,
+              help="tensor-level tolerance ||ref-cand||/||ref|| for every dtype "
+                   "(default: per dtype, e.g. float32 5e-5, bfloat16 5e-2)")
+@click.option("--rtol", type=float, default=None, help="elementwise check too (with --atol)")
+@click.option("--atol", type=float, default=None, help="elementwise check too (with --rtol)")
+@click.option("--tol", "overrides", multiple=True, metavar="PATTERN=SPEC",
+              help="per-key tolerance, e.g. '*.mlp=rel_l2:1e-3' or 'logits=rtol:1e-2,atol:1e-3'"
+                   " (repeatable, last match wins)")
+@click.option("--step", "steps", type=int, multiple=True, help="only this step (repeatable)")
+@click.option("--include", multiple=True,
+              help="only keys matching this glob (key, site or module path; repeatable)")
+@click.option("--amplification", type=float, default=None,
+              help="output/input error ratio above which an error is 'introduced' (default 4)")
+@click.option("--allow-incomplete", is_flag=True, help="read interrupted captures too")
+def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, steps, include,
+         amplification, allow_incomplete):
+    """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
+    3 unreadable / incomplete / incompatible captures."""
+    from accucheck.errors import EXIT_USAGE
+    from accucheck.locate import analyze
+    from accucheck.report import render, verdict_line
+    from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
+
+    if out and Path(out).exists() and not force:
+        raise UserError(f"{out} exists: choose another -o or pass --force to overwrite it",
+                        EXIT_USAGE)
+    tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
+    err(f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
+    result = analyze(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
+                     amplification=amplification or DEFAULT_AMPLIFICATION,
+                     allow_incomplete=allow_incomplete, progress=err)
+    text = render(result, fmt)
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+        err(f"wrote {out}")
+        err(verdict_line(result))
+    else:
+        click.echo(text, nl=False)
+    return result.exit_code
+
+
 @cli.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -1,0 +1,541 @@
+"""Align two captures by record key and measure every pair. Imports errors, keys, store, metrics,
+tolerances; never torch (so `accucheck diff` starts fast and runs without torch).
+
+`diff_captures(ref, cand, golden=None, ...)` -> `DiffResult`:
+
+- Alignment is by record key (never by position). Keys present on one side only are listed in
+  `missing`; records whose shapes differ are kept with basis "shape" and fail; a dtype
+  difference only chooses the tolerance (see accucheck.tolerances).
+- Prompts must match request by request, else UserError (exit 3). Generated tokens may differ:
+  then only the steps up to and including the first differing token's step are compared (that
+  step's logits are what chose the different token), and a note says so loudly.
+- When both sides hold the tensor (store "full"), metrics are exact (accucheck.metrics, chunked,
+  bounded memory). Otherwise the index statistics give a LOWER BOUND on rel_l2 (basis "stats"):
+  a failure is certain, a pass is weaker, and the result says so.
+- Logits records (kind "logits") also get per-position KL(ref||cand), top-1 agreement, top-5
+  overlap and the reference top-1/top-2 margin; the first token flip is a "near-tie" when that
+  margin is below the logit noise (std of cand - ref over the vocabulary) at that position.
+- With a golden capture, each record gets `cand worse` / `ref worse` / `both within noise` from
+  RMSE(cand, golden) vs RMSE(ref, golden) with a multiplier (2 for fp32, 3 for 16-bit).
+- Candidate records with role "shadow" (shadow replay) are paired with the reference's "out"
+  record of the same site: their error is the local error of that module.
+
+`bool(result)` is True when every aligned record is within tolerance and no token flip is real.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from accucheck.errors import UserError
+from accucheck.keys import RecordKey
+from accucheck.metrics import (MetricAccumulator, TensorMetrics, kl_div, logit_noise,
+                               top2_margin, topk_overlap)
+from accucheck.store import CaptureReader, IndexRow, open_capture
+from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
+                                  loosest_dtype)
+
+GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
+Progress = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------- result records
+
+@dataclass(frozen=True)
+class StatsDelta:
+    """Comparison of two index statistics rows. `rel_l2_lower_bound` is a proven lower bound on
+    ||ref - cand|| / ||ref||: each of |dl2|, sqrt(n)|dmean|, sqrt(n-1)|dstd|, |dmin|, |dmax|,
+    |dabsmax| is <= ||ref - cand||. Moved minima therefore count in absolute terms against the
+    tensor norm, never relative to the (near-zero) minimum itself."""
+    identical: bool            # same dtype, shape, checksum and statistics
+    rel_l2_lower_bound: float
+    bound_from: str | None     # which statistic gave the bound
+    nan_inf_mismatch: int      # |dNaN count| + |dInf count| (lower bound on mismatched positions)
+
+
+@dataclass(frozen=True)
+class GoldenLabel:
+    label: str                 # one of GOLDEN_LABELS, or "n/a" (stats only / missing in golden)
+    ref_rmse: float | None
+    cand_rmse: float | None
+    multiplier: float
+
+
+@dataclass(frozen=True)
+class RecordDiff:
+    """One aligned key. `error` is rel_l2 (basis "tensor"), its lower bound (basis "stats") or
+    inf (basis "shape": shapes differ)."""
+    key: RecordKey
+    kind: str
+    order: int                 # position in the reference's execution order
+    ref_dtype: str
+    cand_dtype: str
+    ref_shape: tuple[int, ...]
+    cand_shape: tuple[int, ...]
+    basis: str                 # "tensor" | "stats" | "shape"
+    tolerance: Tolerance
+    metrics: TensorMetrics | None = None
+    stats: StatsDelta | None = None
+    shadow: TensorMetrics | None = None   # candidate's shadow replay vs reference output
+    golden: GoldenLabel | None = None
+
+    def __post_init__(self) -> None:
+        if self.basis not in ("tensor", "stats", "shape"):
+            raise ValueError(f"bad basis {self.basis!r}")
+        if (self.basis == "tensor") != (self.metrics is not None):
+            raise ValueError("metrics go with basis 'tensor'")
+
+    @property
+    def error(self) -> float:
+        if self.basis == "tensor":
+            return self.metrics.rel_l2
+        if self.basis == "stats":
+            return self.stats.rel_l2_lower_bound
+        return math.inf
+
+    @property
+    def cosine(self) -> float | None:
+        return self.metrics.cosine if self.metrics is not None else None
+
+    @property
+    def within(self) -> bool:
+        if self.basis == "tensor":
+            return self.tolerance.within(self.metrics)
+        if self.basis == "stats":
+            return (self.stats.nan_inf_mismatch == 0
+                    and self.stats.rel_l2_lower_bound <= self.tolerance.rel_l2)
+        return False
+
+    def __bool__(self) -> bool:
+        return self.within
+
+
+@dataclass(frozen=True)
+class MissingKey:
+    key: str
+    only_in: str               # "ref" | "cand"
+
+
+@dataclass(frozen=True)
+class LogitsPosition:
+    position: int
+    kl: float
+    top1_ref: int
+    top1_cand: int
+    top5_overlap: float
+    margin: float              # reference top-1 minus top-2 logit
+    noise: float               # std over the vocabulary of cand - ref
+
+    @property
+    def agree(self) -> bool:
+        return self.top1_ref == self.top1_cand
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin <= self.noise
+
+
+@dataclass(frozen=True)
+class LogitsStep:
+    key: RecordKey
+    positions: tuple[LogitsPosition, ...]
+
+    @property
+    def max_kl(self) -> float:
+        return max((p.kl for p in self.positions), default=0.0)
+
+    @property
+    def top1_agreement(self) -> float:
+        return sum(p.agree for p in self.positions) / len(self.positions) if self.positions else 1.0
+
+
+@dataclass(frozen=True)
+class TokenFlip:
+    """First position whose greedy token differs. `generating`: the position whose token was
+    actually emitted (the last one of its step); flips at earlier prompt positions change no
+    output but show the same drift."""
+    req: int
+    step: int
+    position: int
+    ref_token: int
+    cand_token: int
+    margin: float | None
+    noise: float | None
+    generating: bool
+    source: str                # "logits" (from stored logits) | "tokens" (generated ids only)
+
+    @property
+    def near_tie(self) -> bool | None:
+        if self.margin is None or self.noise is None:
+            return None
+        return self.margin <= self.noise
+
+    @property
+    def label(self) -> str:
+        nt = self.near_tie
+        return "unknown (no logits stored)" if nt is None else ("near-tie" if nt else "real")
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    ref_path: str
+    cand_path: str
+    golden_path: str | None
+    records: tuple[RecordDiff, ...]          # aligned keys, reference execution order
+    missing: tuple[MissingKey, ...]
+    logits: tuple[LogitsStep, ...]
+    first_flip: TokenFlip | None             # first differing greedy token, any position
+    flips: tuple[TokenFlip, ...]             # every flip at a generating position
+    compared_steps: tuple[tuple[int, int], ...]  # (req, last compared step) per request
+    skipped: int                             # aligned keys not compared (beyond token divergence)
+    notes: tuple[str, ...]                   # things the reader must know (said loudly)
+    tolerances: ToleranceTable = field(default_factory=ToleranceTable)
+
+    @property
+    def basis(self) -> str:
+        b = {r.basis for r in self.records if r.basis != "shape"}
+        return "tensor" if b == {"tensor"} else "stats" if b == {"stats"} else \
+            "mixed" if b else "none"
+
+    @property
+    def failed(self) -> tuple[RecordDiff, ...]:
+        return tuple(r for r in self.records if not r.within)
+
+    @property
+    def real_flip(self) -> bool:
+        """A generated token differs and it is not a near-tie (or cannot be shown to be one)."""
+        return any(f.near_tie is not True for f in self.flips)
+
+    @property
+    def within(self) -> bool:
+        return not self.failed and not self.real_flip
+
+    def __bool__(self) -> bool:
+        return self.within
+
+    def record(self, key: RecordKey | str) -> RecordDiff:
+        for r in self.records:
+            if str(r.key) == str(key):
+                return r
+        raise KeyError(str(key))
+
+
+# ----------------------------------------------------------------------------- diff
+
+def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLike | CaptureReader,
+                  golden: str | os.PathLike | CaptureReader | None = None, *,
+                  tolerances: ToleranceTable | None = None,
+                  steps: Iterable[int] | None = None, include: Sequence[str] = (),
+                  allow_incomplete: bool = False, max_elems: int = 1 << 20,
+                  progress: Progress | None = None) -> DiffResult:
+    """Compare candidate against reference (and both against `golden` when given).
+
+    `steps`: compare only these steps; `include`: only keys matching one of these globs (matched
+    like tolerance overrides: full key, key without request/step, or module path). Paths are
+    opened and closed here; open readers are used as they are. Raises UserError (exit 3) for
+    unreadable / incomplete / incompatible captures.
+    """
+    tol = tolerances or ToleranceTable()
+    opened: list[CaptureReader] = []
+
+    def _open(x):
+        if x is None or isinstance(x, CaptureReader):
+            return x
+        r = open_capture(x, allow_incomplete=allow_incomplete)
+        opened.append(r)
+        return r
+
+    try:
+        R, C, G = _open(ref), _open(cand), _open(golden)
+        return _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
+    finally:
+        for r in opened:
+            r.close()
+
+
+class _Differ:
+    def __init__(self, R: CaptureReader, C: CaptureReader, G: CaptureReader | None,
+                 tol: ToleranceTable, steps, include, max_elems: int, progress):
+        self.R, self.C, self.G = R, C, G
+        self.tol = tol
+        self.steps = None if steps is None else set(int(s) for s in steps)
+        self.include = tuple(include)
+        self.max_elems = max_elems
+        self.progress = progress
+        self.notes: list[str] = []
+        self.compute = (_meta_dtype(R.meta), _meta_dtype(C.meta))
+
+    # -- tokens
+    def _token_limits(self) -> tuple[dict[int, int | None], TokenFlip | None]:
+        """Per request: last comparable step (None = all). Also the first flip seen in the
+        generated ids (without logits; refined later from logits when stored)."""
+        rr, cr = self.R.requests, self.C.requests
+        if len(rr) != len(cr):
+            raise UserError(f"{self.R.path} has {len(rr)} prompts, {self.C.path} has {len(cr)}: "
+                            f"capture both with the same prompts")
+        limits: dict[int, int | None] = {}
+        flip = None
+        for i, (a, b) in enumerate(zip(rr, cr)):
+            pa, pb = np.asarray(a.prompt_ids), np.asarray(b.prompt_ids)
+            if pa.shape != pb.shape or not np.array_equal(pa, pb):
+                n = min(pa.size, pb.size)
+                where = next((j for j in range(n) if pa[j] != pb[j]), n)
+                raise UserError(
+                    f"{self.R.path} and {self.C.path} were captured on different prompts "
+                    f"(request {i} differs at token {where}): capture both with the same "
+                    f"--prompt (and the same tokenizer)")
+            ga, gb = np.asarray(a.generated_ids), np.asarray(b.generated_ids)
+            n = min(ga.size, gb.size)
+            j = next((k for k in range(n) if ga[k] != gb[k]), None)
+            limits[i] = j
+            if j is not None:
+                self.notes.append(
+                    f"generated tokens differ in request {i} at step {j} (ref {int(ga[j])}, "
+                    f"cand {int(gb[j])}): steps after {j} run on different inputs and are NOT "
+                    f"compared; re-capture the candidate with --tokens-from {self.R.path} to "
+                    f"compare every step")
+                if flip is None:
+                    flip = TokenFlip(i, j, -1, int(ga[j]), int(gb[j]), None, None, True,
+                                     "tokens")
+        return limits, flip
+
+    def _golden_limits(self) -> dict[int, int | None]:
+        rr, gr = self.R.requests, self.G.requests
+        if len(rr) != len(gr) or any(
+                not np.array_equal(a.prompt_ids, g.prompt_ids) for a, g in zip(rr, gr)):
+            raise UserError(f"golden {self.G.path} was captured on other prompts than "
+                            f"{self.R.path}: capture it with --tokens-from {self.R.path}")
+        out = {}
+        for i, (a, g) in enumerate(zip(rr, gr)):
+            ga, gg = np.asarray(a.generated_ids), np.asarray(g.generated_ids)
+            n = min(ga.size, gg.size)
+            j = next((k for k in range(n) if ga[k] != gg[k]), None)
+            out[i] = j
+            if j is not None:
+                self.notes.append(f"golden tokens differ from the reference in request {i} at "
+                                  f"step {j}: no golden labels after step {j}; capture the golden "
+                                  f"with --tokens-from {self.R.path}")
+        return out
+
+    def _wanted(self, key: RecordKey) -> bool:
+        if self.steps is not None and key.step not in self.steps:
+            return False
+        return not self.include or any(_matches(p, key) for p in self.include)
+
+    # -- main
+    def run(self) -> DiffResult:
+        limits, flip = self._token_limits()
+        glimits = self._golden_limits() if self.G is not None else {}
+
+        def comparable(key: RecordKey, lim: dict) -> bool:
+            j = lim.get(key.req)
+            return j is None or key.step <= j
+
+        shadows: dict[str, IndexRow] = {}
+        for row in self.C.rows:
+            if row.key.role == "shadow" and row.key not in self.R:
+                shadows[str(row.key.with_role("out"))] = row
+        missing = [MissingKey(str(r.key), "ref") for r in self.R.rows
+                   if self._wanted(r.key) and r.key not in self.C]
+        missing += [MissingKey(str(r.key), "cand") for r in self.C.rows
+                    if self._wanted(r.key) and r.key not in self.R
+                    and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
+        pairs = [(r, self.C.row(r.key)) for r in self.R.rows
+                 if self._wanted(r.key) and r.key in self.C]
+        if not pairs and not missing:
+            raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
+                            f"(check --step / --include)")
+        if not pairs:
+            raise UserError(f"{self.R.path} and {self.C.path} have no record key in common: "
+                            f"were they captured from the same model with the same --include?")
+
+        records: list[RecordDiff] = []
+        logits: list[LogitsStep] = []
+        skipped = 0
+        stats_only = 0
+        for n, (ra, ca) in enumerate(pairs):
+            if not comparable(ra.key, limits):
+                skipped += 1
+                continue
+            if self.progress and n % 200 == 0:
+                self.progress(f"diff: {n}/{len(pairs)} records")
+            grow = None
+            if self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
+                grow = self.G.row(ra.key)
+            rd, ls = self._compare(ra, ca, grow, shadows.get(str(ra.key)))
+            stats_only += rd.basis == "stats"
+            records.append(rd)
+            if ls is not None:
+                logits.append(ls)
+        if stats_only:
+            self.notes.append(
+                f"{stats_only} of {len(records)} records have statistics only (capture with "
+                f"--store full for exact metrics): their verdict uses a lower bound on rel_l2 "
+                f"and is weaker; a pass there does not prove agreement")
+        if missing:
+            n_ref = sum(m.only_in == "ref" for m in missing)
+            self.notes.append(f"{len(missing)} keys on one side only ({n_ref} only in ref, "
+                              f"{len(missing) - n_ref} only in cand): see `missing`")
+        first, flips = self._flips(logits, flip)
+        compared = tuple((i, -1 if j is None else j) for i, j in sorted(limits.items()))
+        return DiffResult(str(self.R.path), str(self.C.path),
+                          str(self.G.path) if self.G is not None else None,
+                          tuple(records), tuple(missing), tuple(logits), first, flips, compared,
+                          skipped, tuple(self.notes), self.tol)
+
+    def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
+                 shadow: IndexRow | None) -> tuple[RecordDiff, LogitsStep | None]:
+        tol = self.tol.for_record(ra.key, (ra.dtype, ca.dtype) + self.compute)
+        base = dict(key=ra.key, kind=ra.kind, order=ra.order, ref_dtype=ra.dtype,
+                    cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
+                    tolerance=tol)
+        if ra.shape != ca.shape:
+            return RecordDiff(basis="shape", **base), None
+        if not (ra.has_data and ca.has_data):
+            return RecordDiff(basis="stats", stats=stats_delta(ra, ca), **base), None
+        acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
+        use_golden = grow is not None and grow.has_data and grow.shape == ra.shape
+        gsum = np.zeros(3)  # sum (ref-g)^2, sum (cand-g)^2, sum g^2
+        positions: list[LogitsPosition] = []
+        is_logits = ra.kind == "logits" and len(ra.shape) >= 1 and ra.shape[-1] > 0
+        ra_it = self.R.iter_chunks(ra.key, self.max_elems)
+        ca_it = self.C.iter_chunks(ca.key, self.max_elems)
+        if is_logits:
+            vocab = ra.shape[-1]
+            ra_it, ca_it = _rows(ra_it, vocab), _rows(ca_it, vocab)
+        g_it = self.G.iter_chunks(grow.key, self.max_elems) if use_golden else None
+        if use_golden and is_logits:
+            g_it = _rows(g_it, ra.shape[-1])
+        for a, b in zip(ra_it, ca_it):
+            acc.add(a, b)
+            if g_it is not None:
+                g = next(g_it).astype(np.float64).reshape(-1)
+                a64, b64 = a.astype(np.float64).reshape(-1), b.astype(np.float64).reshape(-1)
+                m = np.isfinite(a64) & np.isfinite(b64) & np.isfinite(g)
+                if not m.all():
+                    a64, b64, g = a64[m], b64[m], g[m]
+                gsum += (np.dot(a64 - g, a64 - g), np.dot(b64 - g, b64 - g), np.dot(g, g))
+            if is_logits:
+                positions.extend(_logit_positions(a, b, len(positions)))
+        metrics = acc.result()
+        shadow_m = self._shadow(ra, shadow) if shadow is not None else None
+        glabel = None
+        if grow is not None:
+            glabel = _golden_label(gsum, metrics.numel, tol, ra.dtype, ca.dtype) if use_golden \
+                else GoldenLabel("n/a", None, None, _multiplier(ra.dtype, ca.dtype))
+        rd = RecordDiff(basis="tensor", metrics=metrics, shadow=shadow_m, golden=glabel, **base)
+        return rd, (LogitsStep(ra.key, tuple(positions)) if is_logits else None)
+
+    def _shadow(self, ra: IndexRow, sh: IndexRow) -> TensorMetrics | None:
+        if sh.shape != ra.shape or not (ra.has_data and sh.has_data):
+            return None
+        acc = MetricAccumulator(ra.dtype, sh.dtype)
+        for a, b in zip(self.R.iter_chunks(ra.key, self.max_elems),
+                        self.C.iter_chunks(sh.key, self.max_elems)):
+            acc.add(a, b)
+        return acc.result()
+
+    def _flips(self, logits: list[LogitsStep], token_flip: TokenFlip | None
+               ) -> tuple[TokenFlip | None, tuple[TokenFlip, ...]]:
+        """First (request, step, position) whose greedy token differs in the stored logits, and
+        every flip at a generating position. Falls back to the generated ids for steps whose
+        logits were not stored."""
+        first, gen = None, []
+        covered = set()
+        for ls in sorted(logits, key=lambda s: (s.key.req, s.key.step)):
+            covered.add((ls.key.req, ls.key.step))
+            last = len(ls.positions) - 1
+            for p in ls.positions:
+                if p.agree:
+                    continue
+                f = TokenFlip(ls.key.req, ls.key.step, p.position, p.top1_ref, p.top1_cand,
+                              p.margin, p.noise, p.position == last, "logits")
+                if first is None:
+                    first = f
+                if f.generating:
+                    gen.append(f)
+        if token_flip is not None and (token_flip.req, token_flip.step) not in covered:
+            gen.append(token_flip)
+            if first is None or (token_flip.req, token_flip.step) < (first.req, first.step):
+                first = token_flip
+        return first, tuple(gen)
+
+
+def _rows(chunks: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
+    """Re-cut flat chunks into [rows, width] blocks of whole rows."""
+    rest = None
+    for c in chunks:
+        c = c.reshape(-1)
+        if rest is not None and rest.size:
+            c = np.concatenate([rest, c])
+        n = (c.size // width) * width
+        if n:
+            yield c[:n].reshape(-1, width)
+        rest = c[n:]
+    if rest is not None and rest.size:
+        raise ValueError("tensor size is not a multiple of its last dimension")
+
+
+def _logit_positions(a: np.ndarray, b: np.ndarray, start: int) -> list[LogitsPosition]:
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    kl = kl_div(a2, b2)
+    t5 = topk_overlap(a2, b2, 5)
+    margin = top2_margin(a2)
+    noise = logit_noise(a2, b2)
+    ta, tb = np.argmax(a2, axis=-1), np.argmax(b2, axis=-1)
+    return [LogitsPosition(start + i, float(kl[i]), int(ta[i]), int(tb[i]), float(t5[i]),
+                           float(margin[i]), float(noise[i])) for i in range(a2.shape[0])]
+
+
+def _multiplier(*dtypes: str) -> float:
+    return GOLDEN_MULTIPLIER.get(loosest_dtype(dtypes), 3.0)
+
+
+def _golden_label(gsum: np.ndarray, n: int, tol: Tolerance, *dtypes: str) -> GoldenLabel:
+    mult = _multiplier(*dtypes)
+    n = max(n, 1)
+    er, ec, gg = (math.sqrt(max(x, 0.0) / n) for x in gsum)
+    floor = 0.1 * tol.rel_l2 * gg  # noise floor: a tenth of the tolerance, in RMS terms
+    if ec > mult * er + floor:
+        label = "cand worse"
+    elif er > mult * ec + floor:
+        label = "ref worse"
+    else:
+        label = "both within noise"
+    return GoldenLabel(label, er, ec, mult)
+
+
+def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
+    """Lower bound on rel_l2 from two statistics rows (see StatsDelta)."""
+    a, b = ra.stats, ca.stats
+    naninf = abs(a.nan - b.nan) + abs(a.inf - b.inf)
+    identical = (ra.dtype == ca.dtype and ra.shape == ca.shape and ra.checksum == ca.checksum
+                 and a == b)
+    if identical:
+        return StatsDelta(True, 0.0, None, 0)
+    n = a.numel - a.nan - a.inf
+    cands = {"l2": abs(a.l2 - b.l2)}
+    if n > 0 and a.nan + a.inf == 0 and b.nan + b.inf == 0:
+        cands["mean"] = math.sqrt(n) * abs(a.mean - b.mean)
+        cands["std"] = math.sqrt(max(n - 1, 0)) * abs(a.std - b.std)
+        cands["min"] = abs(a.min - b.min)
+        cands["max"] = abs(a.max - b.max)
+        cands["absmax"] = abs(a.absmax - b.absmax)
+    cands = {k: v for k, v in cands.items() if math.isfinite(v)}
+    if not cands:
+        return StatsDelta(False, 0.0, None, naninf)
+    name = max(cands, key=cands.get)
+    bound = cands[name]
+    rel = bound / a.l2 if a.l2 > 0 else (math.inf if bound > 0 else 0.0)
+    return StatsDelta(False, rel, name if bound > 0 else None, naninf)
+
+
+def _meta_dtype(meta: dict) -> str | None:
+    d = meta.get("dtype")
+    if not isinstance(d, str) or not d:
+        return None
+    return d.replace("torch.", "")

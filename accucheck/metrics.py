@@ -1,0 +1,376 @@
+"""Error metrics: tiny pure float64 functions plus one chunked accumulator. Imports numpy only.
+
+Conventions (a = reference, b = candidate, both any shape, compared flat):
+
+- Elementwise metrics look only at positions where BOTH sides are finite; NaN / Inf positions
+  that differ are counted by `nan_inf_mismatch` and judged on their own.
+- Relative error of one element: |a - b| / |a|; 0 where a == b (also 0 == 0), inf where a == 0
+  and b != 0. So `max_rel` is dominated by near-zero reference elements: report it, never judge a
+  tensor by it (the tensor-level criterion is `rel_l2`, see accucheck.tolerances).
+- `rel_l2` = ||a - b|| / ||a||; `cosine` = a.b / (||a|| ||b||) (1.0 for two zero tensors);
+  `sqnr_db` = 10 log10(||a||^2 / ||a - b||^2) (inf when identical); `rmse` = ||a - b|| / sqrt(n).
+- `max_ulp`: largest distance in units in the last place of the COARSER dtype of the pair (values
+  of the finer side are rounded to nearest-even into it first), so a float32 reference and its
+  own bfloat16 rounding are 0 ULP apart. None for non-float dtypes.
+- `frac_rel_below(a, b, 1e-3)`: fraction (0..1) of elements with relative error < 1e-3 (the
+  "thousandth" ratio); 1.0 for an empty tensor.
+
+`MetricAccumulator` is the only plumbing: feed it aligned flat chunks, it keeps a few float64
+sums and maxima, so memory is bounded by the chunk size whatever the tensor size.
+
+Logits metrics (rows = positions, columns = vocabulary) are pure functions too: `kl_div`,
+`top1_agree`, `topk_overlap`, `top2_margin`, `logit_noise`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Machine epsilon per torch dtype name: orders dtypes from fine to coarse.
+DTYPE_EPS = {
+    "float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10,
+    "bfloat16": 2.0 ** -7, "float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2,
+}
+_ULP_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def is_float_dtype(dtype: str) -> bool:
+    return dtype in DTYPE_EPS
+
+
+def coarser_dtype(a: str, b: str) -> str:
+    """The lower-precision of two torch dtype names (non-float dtypes count as exact, finest)."""
+    ea, eb = DTYPE_EPS.get(a, 0.0), DTYPE_EPS.get(b, 0.0)
+    return a if ea >= eb else b
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+def _finite_pair(a, b) -> tuple[np.ndarray, np.ndarray]:
+    a, b = _f64(a), _f64(b)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    m = np.isfinite(a) & np.isfinite(b)
+    if m.all():
+        return a, b
+    return a[m], b[m]
+
+
+def max_abs(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def mean_abs(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return float(np.mean(np.abs(a - b))) if a.size else 0.0
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    d = np.abs(a - b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = d / np.abs(a)
+    r[d == 0] = 0.0
+    return r
+
+
+def max_rel(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return float(np.max(_rel(a, b))) if a.size else 0.0
+
+
+def frac_rel_below(a, b, threshold: float) -> float:
+    a, b = _finite_pair(a, b)
+    return float(np.mean(_rel(a, b) < threshold)) if a.size else 1.0
+
+
+def rel_l2(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return _rel_l2_from(float(np.dot(a - b, a - b)), float(np.dot(a, a)))
+
+
+def cosine(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return _cosine_from(float(np.dot(a, a)), float(np.dot(b, b)), float(np.dot(a - b, a - b)))
+
+
+def sqnr_db(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return _sqnr_from(float(np.dot(a - b, a - b)), float(np.dot(a, a)))
+
+
+def rmse(a, b) -> float:
+    a, b = _finite_pair(a, b)
+    return math.sqrt(float(np.dot(a - b, a - b)) / a.size) if a.size else 0.0
+
+
+def nan_inf_mismatch(a, b) -> int:
+    """Positions where NaN-ness or the signed infinity differs between the two sides."""
+    a, b = _f64(a), _f64(b)
+    na, nb = np.isnan(a), np.isnan(b)
+    ia, ib = np.isinf(a), np.isinf(b)
+    bad = (na != nb) | (ia != ib) | (ia & ib & (np.sign(a) != np.sign(b)))
+    return int(np.count_nonzero(bad))
+
+
+def max_ulp(a, b, dtype: str) -> int | None:
+    """Largest ULP distance between a and b, counted in `dtype` (None for non-float dtypes)."""
+    if dtype not in _ULP_DTYPES:
+        return None
+    a, b = _finite_pair(a, b)
+    if not a.size:
+        return 0
+    return int(np.max(np.abs(_ordered(a, dtype) - _ordered(b, dtype))))
+
+
+def _ordered(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Map finite floats to integers (as float64 for float64, int64 otherwise) such that
+    neighbouring representable values of `dtype` differ by 1, after rounding into `dtype`."""
+    if dtype == "float64":
+        i = np.asarray(x, dtype=np.float64).view(np.int64)
+        mag = (i & np.int64(0x7FFFFFFFFFFFFFFF)).astype(np.float64)
+        return np.where(i < 0, -mag, mag)
+    if dtype == "float16":
+        i = np.asarray(x).astype(np.float16).view(np.int16).astype(np.int64)
+        mag = i & 0x7FFF
+    else:
+        u = np.asarray(x).astype(np.float32).view(np.uint32)
+        if dtype == "bfloat16":  # round to nearest even into the top 16 bits
+            u = (u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16
+            i = u.astype(np.int64)
+            mag = i & 0x7FFF
+            return np.where(i & 0x8000, -mag, mag)
+        i = u.astype(np.int64)
+        mag = i & 0x7FFFFFFF
+        return np.where(i & 0x80000000, -mag, mag)
+    return np.where(i & 0x8000, -mag, mag)
+
+
+def _rel_l2_from(dd: float, aa: float) -> float:
+    if dd == 0.0:
+        return 0.0
+    return math.sqrt(dd / aa) if aa > 0 else math.inf
+
+
+def _cosine_from(aa: float, bb: float, dd: float) -> float:
+    if aa == 0.0 and bb == 0.0:
+        return 1.0
+    if aa == 0.0 or bb == 0.0:
+        return 0.0
+    # a.b from the norms: exact to float64 even when 1 - cos is far below float32 epsilon.
+    ab = 0.5 * (aa + bb - dd)
+    return max(-1.0, min(1.0, ab / math.sqrt(aa * bb)))
+
+
+def _sqnr_from(dd: float, aa: float) -> float:
+    if dd == 0.0:
+        return math.inf
+    if aa == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(aa / dd)
+
+
+# ----------------------------------------------------------------------------- accumulator
+
+@dataclass(frozen=True)
+class TensorMetrics:
+    """Metrics of one aligned pair of tensors (reference vs candidate)."""
+    numel: int
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    rel_l2: float
+    cosine: float
+    sqnr_db: float
+    rmse: float
+    max_ulp: int | None
+    ulp_dtype: str | None
+    frac_rel_lt_1e3: float
+    frac_rel_lt_5e3: float
+    nan_inf_mismatch: int
+    worst_index: int | None      # flat index of the largest absolute error
+    worst_ref: float | None
+    worst_cand: float | None
+    mismatched: int | None = None  # elements outside atol + rtol*|ref|, when rtol/atol given
+
+    @property
+    def identical(self) -> bool:
+        return self.max_abs == 0.0 and self.nan_inf_mismatch == 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class MetricAccumulator:
+    """Chunked computation of `TensorMetrics`: `add(ref_chunk, cand_chunk)` with aligned flat
+    chunks (any float or int dtype, bfloat16 already decoded to float32), then `result()`.
+
+    Memory is a few temporaries of one chunk. `ref_dtype` / `cand_dtype` are the torch dtype
+    names as captured: they choose the ULP dtype. `rtol` / `atol` (both or neither) add a count
+    of elements outside atol + rtol * |ref|.
+    """
+
+    def __init__(self, ref_dtype: str, cand_dtype: str, *, rtol: float | None = None,
+                 atol: float | None = None):
+        if (rtol is None) != (atol is None):
+            raise ValueError("rtol and atol go together")
+        self.rtol, self.atol = rtol, atol
+        u = coarser_dtype(ref_dtype, cand_dtype)
+        self.ulp_dtype = u if u in _ULP_DTYPES and is_float_dtype(ref_dtype) \
+            and is_float_dtype(cand_dtype) else None
+        self._n = 0            # elements seen
+        self._nf = 0           # finite-pair elements
+        self._dd = self._aa = self._bb = 0.0
+        self._sum_abs = 0.0
+        self._max_abs = -1.0
+        self._worst: tuple[int, float, float] | None = None
+        self._max_rel = 0.0
+        self._lt1 = self._lt5 = 0
+        self._ulp = 0
+        self._naninf = 0
+        self._mismatched = 0
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        a = np.asarray(a).reshape(-1)
+        b = np.asarray(b).reshape(-1)
+        if a.shape != b.shape:
+            raise ValueError(f"chunk sizes differ: {a.size} vs {b.size}")
+        offset = self._n
+        self._n += a.size
+        if not a.size:
+            return
+        a64 = a.astype(np.float64)
+        b64 = b.astype(np.float64)
+        fin = np.isfinite(a64) & np.isfinite(b64)
+        if fin.all():
+            idx = None
+        else:
+            self._naninf += nan_inf_mismatch(a64, b64)
+            idx = np.flatnonzero(fin)
+            a64, b64, a, b = a64[idx], b64[idx], a[idx], b[idx]
+            if not a64.size:
+                return
+        self._nf += a64.size
+        d = a64 - b64
+        self._dd += float(np.dot(d, d))
+        self._aa += float(np.dot(a64, a64))
+        self._bb += float(np.dot(b64, b64))
+        np.abs(d, out=d)
+        self._sum_abs += float(d.sum())
+        j = int(np.argmax(d))
+        if d[j] > self._max_abs:
+            self._max_abs = float(d[j])
+            self._worst = (offset + (int(idx[j]) if idx is not None else j),
+                           float(a64[j]), float(b64[j]))
+        if self._max_abs > 0.0 or self.rtol is not None:
+            absa = np.abs(a64)
+            if self._max_abs > 0.0:
+                # d < t*|a|  <=>  rel < t (rel = 0 where d == 0, inf where a == 0 != b)
+                self._lt1 += int(np.count_nonzero(d < 1e-3 * absa)) + int(
+                    np.count_nonzero((d == 0) & (absa == 0)))
+                self._lt5 += int(np.count_nonzero(d < 5e-3 * absa)) + int(
+                    np.count_nonzero((d == 0) & (absa == 0)))
+                nz = d > 0
+                if np.any(nz & (absa == 0)):
+                    self._max_rel = math.inf
+                else:
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        r = np.divide(d, absa, out=np.zeros_like(d), where=nz)
+                    self._max_rel = max(self._max_rel, float(r.max()))
+                if self.ulp_dtype is not None:
+                    self._ulp = max(self._ulp, int(np.max(np.abs(
+                        _ordered(a, self.ulp_dtype) - _ordered(b, self.ulp_dtype)))))
+            else:
+                self._lt1 += a64.size
+                self._lt5 += a64.size
+            if self.rtol is not None:
+                self._mismatched += int(np.count_nonzero(d > self.atol + self.rtol * absa))
+        else:
+            self._lt1 += a64.size
+            self._lt5 += a64.size
+
+    def result(self) -> TensorMetrics:
+        nf = self._nf
+        worst = self._worst if self._max_abs > 0 else None
+        return TensorMetrics(
+            numel=self._n,
+            max_abs=max(self._max_abs, 0.0),
+            mean_abs=self._sum_abs / nf if nf else 0.0,
+            max_rel=self._max_rel,
+            rel_l2=_rel_l2_from(self._dd, self._aa),
+            cosine=_cosine_from(self._aa, self._bb, self._dd),
+            sqnr_db=_sqnr_from(self._dd, self._aa),
+            rmse=math.sqrt(self._dd / nf) if nf else 0.0,
+            max_ulp=self._ulp if self.ulp_dtype is not None else None,
+            ulp_dtype=self.ulp_dtype,
+            frac_rel_lt_1e3=self._lt1 / nf if nf else 1.0,
+            frac_rel_lt_5e3=self._lt5 / nf if nf else 1.0,
+            nan_inf_mismatch=self._naninf,
+            worst_index=worst[0] if worst else None,
+            worst_ref=worst[1] if worst else None,
+            worst_cand=worst[2] if worst else None,
+            mismatched=self._mismatched if self.rtol is not None else None,
+        )
+
+
+def tensor_metrics(a, b, ref_dtype: str = "float32", cand_dtype: str = "float32", *,
+                   rtol: float | None = None, atol: float | None = None) -> TensorMetrics:
+    """All metrics of two in-memory arrays (one chunk through `MetricAccumulator`)."""
+    acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol)
+    acc.add(np.asarray(a), np.asarray(b))
+    return acc.result()
+
+
+# ----------------------------------------------------------------------------- logits
+
+def log_softmax(x) -> np.ndarray:
+    """Row-wise log-softmax in float64 (rows = positions)."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float64))
+    m = np.max(x, axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+
+
+def kl_div(ref_logits, cand_logits) -> np.ndarray:
+    """KL(p_ref || p_cand) per row, in nats (>= 0)."""
+    lp, lq = log_softmax(ref_logits), log_softmax(cand_logits)
+    kl = np.sum(np.exp(lp) * (lp - lq), axis=-1)
+    return np.maximum(kl, 0.0)
+
+
+def top1_agree(ref_logits, cand_logits) -> np.ndarray:
+    """Per row: True where the greedy (argmax) token is the same."""
+    r, c = np.atleast_2d(ref_logits), np.atleast_2d(cand_logits)
+    return np.argmax(r, axis=-1) == np.argmax(c, axis=-1)
+
+
+def topk_overlap(ref_logits, cand_logits, k: int = 5) -> np.ndarray:
+    """Per row: |top-k(ref) & top-k(cand)| / k."""
+    r, c = np.atleast_2d(ref_logits), np.atleast_2d(cand_logits)
+    k = min(k, r.shape[-1])
+    tr = np.argpartition(-r, k - 1, axis=-1)[:, :k]
+    tc = np.argpartition(-c, k - 1, axis=-1)[:, :k]
+    return np.array([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(tr, tc)])
+
+
+def top2_margin(logits) -> np.ndarray:
+    """Per row: top-1 logit minus top-2 logit (0 for a one-token vocabulary)."""
+    x = np.atleast_2d(np.asarray(logits, dtype=np.float64))
+    if x.shape[-1] < 2:
+        return np.zeros(x.shape[0])
+    top2 = np.partition(x, -2, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def logit_noise(ref_logits, cand_logits) -> np.ndarray:
+    """Per row: standard deviation over the vocabulary of (cand - ref). Shift-invariant like the
+    softmax; a token flip whose reference top-1/top-2 margin is below this is a near-tie."""
+    d = np.atleast_2d(np.asarray(cand_logits, dtype=np.float64)) - np.atleast_2d(
+        np.asarray(ref_logits, dtype=np.float64))
+    return np.std(d, axis=-1)

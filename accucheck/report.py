@@ -1,0 +1,353 @@
+"""Render an Analysis (diff + locate) as table, json, csv or md. Imports diff, locate; formats only.
+
+`render(analysis, fmt)` -> str. `verdict_line(analysis)` is the first line of every format:
+`PASS ...` or `FAIL: divergence starts at step S, <module> (<slot>): rel_l2 X, input rel_l2 Y
+-> introduced here`. The JSON schema is documented in docs/diff-json.md (SCHEMA_VERSION below);
+non-finite numbers are written as the strings "inf", "-inf", "nan".
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from typing import Any
+
+from accucheck.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
+from accucheck.locate import Analysis, Divergence, RecordLocation
+
+FORMATS = ("table", "json", "csv", "md")
+SCHEMA = "accucheck.diff"
+SCHEMA_VERSION = 1
+TOP_ROWS = 12        # worst records shown in table / md
+MAX_CURVE_ROWS = 24  # layers shown in table / md (evenly thinned above that)
+MAX_STEP_COLS = 4    # steps shown in the layer curve (first ones and the last one)
+
+
+def render(analysis: Analysis, fmt: str = "table") -> str:
+    if fmt == "json":
+        return json.dumps(to_json(analysis), indent=1, sort_keys=False) + "\n"
+    if fmt == "csv":
+        return to_csv(analysis)
+    if fmt in ("table", "md"):
+        return to_text(analysis, md=fmt == "md")
+    raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+# ----------------------------------------------------------------------------- verdict
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+def _cos(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.6f}" if x > 0.99 else f"{x:.4g}"
+
+
+def _slot(key) -> str:
+    return f"{key.role}.{key.slot}"
+
+
+def _where(fd: Divergence) -> str:
+    req = f"request {fd.key.req}, " if fd.key.req else ""
+    return f"step {fd.step}, {req}{fd.module} ({_slot(fd.key)})"
+
+
+def verdict_line(a: Analysis) -> str:
+    d, fd = a.diff, a.location.first_divergence
+    n = len(d.records)
+    weaker = ""
+    if d.basis in ("stats", "mixed"):
+        weaker = " [weaker: some records have statistics only, compared by a lower bound]"
+    if d.within:
+        worst = max(d.records, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300),
+                    default=None)
+        w = (f"; worst rel_l2 {_g(worst.error)} at {worst.key} (tolerance "
+             f"{_g(worst.tolerance.rel_l2)})") if worst is not None else ""
+        flip = ""
+        if d.first_flip is not None:
+            flip = (f"; near-tie token flip at request {d.first_flip.req} step "
+                    f"{d.first_flip.step}")
+        return f"PASS: {n} records within tolerance{w}{flip}{weaker}"
+    if fd is None:  # only a real token flip
+        f = next(f for f in d.flips if f.near_tie is not True)
+        return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
+                f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
+    if fd.basis == "shape":
+        r = d.record(fd.key)
+        return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
+                f"{list(r.cand_shape)}{weaker}")
+    bound = "rel_l2 >= " if fd.basis == "stats" else "rel_l2 "
+    inp = _g(fd.input_error) if fd.input_error is not None else "unknown"
+    tail = "introduced here" if fd.cause == "introduced" else \
+        "inherited (no recorded module introduces it: it grew gradually or comes from before " \
+        "the first record)"
+    nan = ""
+    if fd.metrics is not None and fd.metrics.nan_inf_mismatch:
+        nan = f", {fd.metrics.nan_inf_mismatch} NaN/Inf positions differ"
+    return (f"FAIL: divergence starts at {_where(fd)}: {bound}{_g(fd.error)}, input rel_l2 "
+            f"{inp} -> {tail} [tolerance {_g(fd.tolerance)}{nan}]{weaker}")
+
+
+def _flip_why(f: TokenFlip) -> str:
+    if f.near_tie is None:
+        return "no logits stored to tell a near-tie from a real flip (capture with --store full)"
+    return (f"reference margin {_g(f.margin)} vs logit noise {_g(f.noise)}: "
+            f"{'a near-tie' if f.near_tie else 'a real flip'}")
+
+
+# ----------------------------------------------------------------------------- json
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return _num(obj)
+
+
+def _key_fields(key) -> dict:
+    return {"key": str(key), "req": key.req, "step": key.step, "module": key.module,
+            "call": key.call, "op": key.op, "op_index": key.op_index, "role": key.role,
+            "slot": key.slot}
+
+
+def _record_json(r: RecordDiff, loc: RecordLocation) -> dict:
+    out = _key_fields(r.key)
+    out.update({
+        "kind": r.kind, "ref_dtype": r.ref_dtype, "cand_dtype": r.cand_dtype,
+        "ref_shape": list(r.ref_shape), "cand_shape": list(r.cand_shape), "basis": r.basis,
+        "within": r.within, "cause": loc.cause, "rel_l2": r.error, "cosine": r.cosine,
+        "input_rel_l2": loc.input_error, "input_from": list(loc.input_from),
+        "introduced": loc.introduced, "tolerance": r.tolerance.as_dict(),
+        "metrics": r.metrics.as_dict() if r.metrics is not None else None,
+        "stats": ({"identical": r.stats.identical,
+                   "rel_l2_lower_bound": r.stats.rel_l2_lower_bound,
+                   "bound_from": r.stats.bound_from,
+                   "nan_inf_mismatch": r.stats.nan_inf_mismatch}
+                  if r.stats is not None else None),
+        "shadow": r.shadow.as_dict() if r.shadow is not None else None,
+        "golden": (dict(r.golden.__dict__) if r.golden is not None else None),
+    })
+    return out
+
+
+def _flip_json(f: TokenFlip | None) -> dict | None:
+    if f is None:
+        return None
+    return {"req": f.req, "step": f.step, "position": f.position, "ref_token": f.ref_token,
+            "cand_token": f.cand_token, "margin": f.margin, "noise": f.noise,
+            "generating": f.generating, "near_tie": f.near_tie, "label": f.label,
+            "source": f.source}
+
+
+def _logits_json(s: LogitsStep) -> dict:
+    return {"key": str(s.key), "req": s.key.req, "step": s.key.step, "max_kl": s.max_kl,
+            "top1_agreement": s.top1_agreement,
+            "positions": [{"position": p.position, "kl": p.kl, "top1_ref": p.top1_ref,
+                           "top1_cand": p.top1_cand, "agree": p.agree,
+                           "top5_overlap": p.top5_overlap, "margin": p.margin,
+                           "noise": p.noise} for p in s.positions]}
+
+
+def to_json(a: Analysis) -> dict:
+    d, L = a.diff, a.location
+    fd = L.first_divergence
+    first = None
+    if fd is not None:
+        first = dict(_key_fields(fd.key), **{
+            "cause": fd.cause, "rel_l2": fd.error, "input_rel_l2": fd.input_error,
+            "input_from": list(fd.input_from), "amplification": fd.amplification,
+            "tolerance": fd.tolerance, "basis": fd.basis, "path": list(fd.path),
+            "metrics": fd.metrics.as_dict() if fd.metrics is not None else None})
+    golden = None
+    if d.golden_path is not None:
+        labels = [dict(_key_fields(r.key), **r.golden.__dict__) for r in d.records
+                  if r.golden is not None]
+        counts: dict[str, int] = {}
+        for x in labels:
+            counts[x["label"]] = counts.get(x["label"], 0) + 1
+        golden = {"path": d.golden_path, "counts": counts, "labels": labels}
+    out = {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "verdict": a.verdict, "exit_code": a.exit_code, "summary": verdict_line(a),
+        "ref": d.ref_path, "cand": d.cand_path, "golden_path": d.golden_path,
+        "basis": d.basis, "notes": list(d.notes),
+        "tolerances": d.tolerances.as_dict(), "amplification": L.amplification,
+        "counts": {"compared": len(d.records), "over_tolerance": len(d.failed),
+                   "missing": len(d.missing), "skipped": d.skipped},
+        "compared_steps": [{"req": r, "last_step": s if s >= 0 else None}
+                           for r, s in d.compared_steps],
+        "first_divergence": first,
+        "top": [str(x.key) for x in L.top],
+        "records": [_record_json(r, l) for r, l in zip(d.records, L.records)],
+        "missing": [{"key": m.key, "only_in": m.only_in} for m in d.missing],
+        "layers": [{"req": p.req, "step": p.step, "layer": p.layer, "key": str(p.key),
+                    "rel_l2": p.rel_l2, "cosine": p.cosine, "within": p.within}
+                   for p in L.curve],
+        "logits": {"steps": [_logits_json(s) for s in d.logits],
+                   "first_flip": _flip_json(d.first_flip),
+                   "flips": [_flip_json(f) for f in d.flips]},
+        "golden": golden,
+    }
+    return _clean(out)
+
+
+# ----------------------------------------------------------------------------- csv
+
+CSV_COLUMNS = ("key", "req", "step", "module", "op", "role", "slot", "kind", "ref_dtype",
+               "cand_dtype", "basis", "within", "cause", "rel_l2", "input_rel_l2", "cosine",
+               "max_abs", "mean_abs", "max_rel", "sqnr_db", "rmse", "max_ulp",
+               "frac_rel_lt_1e3", "frac_rel_lt_5e3", "nan_inf_mismatch", "tol_rel_l2",
+               "golden")
+
+
+def to_csv(a: Analysis) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r, loc in zip(a.diff.records, a.location.records):
+        m = r.metrics
+        w.writerow([_num(x) for x in (
+            str(r.key), r.key.req, r.key.step, r.key.module, r.key.op or "", r.key.role,
+            r.key.slot, r.kind, r.ref_dtype, r.cand_dtype, r.basis, int(r.within),
+            loc.cause or "", r.error,
+            "" if loc.input_error is None else loc.input_error,
+            "" if m is None else m.cosine, "" if m is None else m.max_abs,
+            "" if m is None else m.mean_abs, "" if m is None else m.max_rel,
+            "" if m is None else m.sqnr_db, "" if m is None else m.rmse,
+            "" if m is None or m.max_ulp is None else m.max_ulp,
+            "" if m is None else m.frac_rel_lt_1e3, "" if m is None else m.frac_rel_lt_5e3,
+            "" if m is None else m.nan_inf_mismatch, r.tolerance.rel_l2,
+            r.golden.label if r.golden is not None else "")])
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- table / md
+
+def to_text(a: Analysis, md: bool = False) -> str:
+    from tabulate import tabulate  # lazy: keeps `import accucheck.report` light
+
+    fmt = "github" if md else "simple"
+    d, L = a.diff, a.location
+    out = [("**" + verdict_line(a) + "**") if md else verdict_line(a)]
+    out.append(f"ref {d.ref_path} | cand {d.cand_path}"
+               + (f" | golden {d.golden_path}" if d.golden_path else "")
+               + f" | basis {d.basis} | {len(d.records)} compared, {len(d.failed)} over "
+               f"tolerance, {len(d.missing)} on one side only"
+               + (f", {d.skipped} skipped" if d.skipped else ""))
+    for n in d.notes:
+        out.append(f"NOTE: {n}")
+    locs = {str(x.key): x for x in L.records}
+    # worst records: introduced first, then by error relative to tolerance
+    shown = []
+    seen = set()
+    for x in L.top:
+        if x.key.role != "in":
+            shown.append(d.record(x.key))
+            seen.add(str(x.key))
+    rest = sorted((r for r in d.records if str(r.key) not in seen and r.key.role != "in"),
+                  key=lambda r: -(r.error / max(r.tolerance.rel_l2, 1e-300)))
+    shown = sorted(shown, key=lambda r: -locs[str(r.key)].introduced)[:TOP_ROWS // 2]
+    shown += rest[:TOP_ROWS - len(shown)]
+    rows = []
+    for r in shown:
+        loc = locs[str(r.key)]
+        m = r.metrics
+        row = [str(r.key), "ok" if r.within else (loc.cause or "over"),
+               _g(r.error) + (" (>=)" if r.basis == "stats" else ""),
+               _g(loc.input_error), _g(loc.introduced),
+               _cos(m.cosine) if m else "-", _g(m.max_abs) if m else "-",
+               (_g(float(m.max_ulp)) if m and m.max_ulp is not None else "-"),
+               _g(r.tolerance.rel_l2)]
+        if d.golden_path:
+            row.append(r.golden.label if r.golden else "-")
+        rows.append(row)
+    heads = ["record", "status", "rel_l2", "input", "introduced", "cosine", "max_abs", "ulp",
+             "tol"] + (["golden"] if d.golden_path else [])
+    out += ["", ("### " if md else "") + "Worst records",
+            tabulate(rows, heads, tablefmt=fmt, disable_numparse=True)]
+    curve = _curve_table(L, fmt)
+    if curve:
+        out += ["", ("### " if md else "") + "Per-layer error (layer outputs: rel_l2 / cosine, "
+                "max over requests)", curve]
+    if d.logits or d.first_flip:
+        out += ["", ("### " if md else "") + "Logits", _logits_table(d, fmt)]
+    if d.golden_path:
+        counts: dict[str, int] = {}
+        for r in d.records:
+            if r.golden is not None:
+                counts[r.golden.label] = counts.get(r.golden.label, 0) + 1
+        out += ["", "Golden referee: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))]
+    if d.missing:
+        sample = ", ".join(m.key for m in d.missing[:3])
+        out += ["", f"On one side only ({len(d.missing)}): {sample}"
+                + (" ..." if len(d.missing) > 3 else "") + "  (full list: --format json)"]
+    return "\n".join(out) + "\n"
+
+
+def _curve_table(L, fmt: str) -> str:
+    from tabulate import tabulate
+
+    if not L.curve:
+        return ""
+    steps = sorted({p.step for p in L.curve})
+    if len(steps) > MAX_STEP_COLS:
+        steps = steps[:MAX_STEP_COLS - 1] + [steps[-1]]
+    layers = sorted({p.layer for p in L.curve})
+    if len(layers) > MAX_CURVE_ROWS:
+        k = math.ceil(len(layers) / MAX_CURVE_ROWS)
+        layers = layers[::k] + ([layers[-1]] if layers[-1] not in layers[::k] else [])
+    cell: dict[tuple[int, int], tuple[float, float | None, bool]] = {}
+    for p in L.curve:
+        c = cell.get((p.layer, p.step))
+        if c is None or p.rel_l2 > c[0]:
+            cell[(p.layer, p.step)] = (p.rel_l2, p.cosine, p.within)
+    rows = []
+    for ly in layers:
+        row = [ly]
+        for s in steps:
+            c = cell.get((ly, s))
+            row.append("-" if c is None else
+                       f"{_g(c[0])} / {_cos(c[1])}"
+                       + ("" if c[2] else " *"))
+        rows.append(row)
+    return tabulate(rows, ["layer"] + [f"step {s}" for s in steps], tablefmt=fmt,
+                    disable_numparse=True)
+
+
+def _logits_table(d: DiffResult, fmt: str) -> str:
+    from tabulate import tabulate
+
+    by_step: dict[int, list[LogitsStep]] = {}
+    for s in d.logits:
+        by_step.setdefault(s.key.step, []).append(s)
+    rows = []
+    for st in sorted(by_step)[:8]:
+        ss = by_step[st]
+        pos = [p for s in ss for p in s.positions]
+        rows.append([st, len(pos), _g(max(p.kl for p in pos) if pos else 0.0),
+                     f"{sum(p.agree for p in pos)}/{len(pos)}",
+                     _g(min((p.top5_overlap for p in pos), default=1.0))])
+    text = tabulate(rows, ["step", "positions", "max KL", "top-1 agree", "min top-5 overlap"],
+                    tablefmt=fmt, disable_numparse=True) if rows else ""
+    f = d.first_flip
+    line = "first token flip: none" if f is None else (
+        f"first token flip: request {f.req} step {f.step} position {f.position}"
+        f"{' (generated)' if f.generating else ''}: ref {f.ref_token} vs cand {f.cand_token}, "
+        f"{_flip_why(f)}")
+    return (text + "\n" if text else "") + line
