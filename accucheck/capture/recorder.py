@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, layer_of
-from accucheck.store import CaptureWriter, bf16_bits_to_float32
+from accucheck.store import CaptureWriter
 
-_EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "word_embeddings", "embed_in")
+_EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
 _SKIP_CLASSES = ("Dropout", "Identity", "RotaryEmbedding")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,44 +91,34 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """min, max, mean, std, absmax, l2, nan, inf, zero, numel, checksum as one float64 tensor
-    on t's device (no host sync). Non-finite values poison min..l2; `finish_stats` recomputes
-    those on the host for the rare tensor that has any."""
+    """min, max, mean, std, absmax, l2 (over the finite elements), nan, inf, zero, numel and the
+    checksum, as one float64 tensor on t's device: no host sync, one small transfer later."""
     x = t.detach()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     n = xf.numel()
-    s = xf.sum()
-    s2 = (xf * xf).sum()
-    mean = s / max(n, 1)
-    var = (s2 - s * mean) / max(n - 1, 1)
+    finite = torch.isfinite(xf)
+    nf = finite.sum()
+    z = torch.where(finite, xf, 0)
+    s = z.sum()
+    s2 = (z * z).sum()
+    mean = s / nf.clamp(min=1)
+    var = (s2 - s * mean) / (nf - 1).clamp(min=1)
     if n:
-        mn, mx = torch.aminmax(xf)
+        mn = torch.where(finite, xf, float("inf")).min()
+        mx = torch.where(finite, xf, float("-inf")).max()
     else:
         mn = mx = s
+    nan = torch.isnan(xf).sum()
     bits = x.contiguous().view(_BITS[x.element_size()]) if x.is_floating_point() else x
     checksum = torch.remainder(bits.to(torch.int64).sum(), 2**52)
+    f64 = torch.float64
     return torch.stack([
-        mn.to(torch.float64), mx.to(torch.float64), mean.to(torch.float64),
-        var.clamp(min=0).sqrt().to(torch.float64), torch.maximum(mx.abs(), mn.abs()).to(torch.float64),
-        s2.sqrt().to(torch.float64), torch.isnan(xf).sum().to(torch.float64),
-        torch.isinf(xf).sum().to(torch.float64), (xf == 0).sum().to(torch.float64),
-        torch.tensor(float(n), dtype=torch.float64, device=xf.device), checksum.to(torch.float64),
+        mn.to(f64), mx.to(f64), mean.to(f64), var.clamp(min=0).sqrt().to(f64),
+        torch.maximum(mx.abs(), mn.abs()).to(f64), s2.sqrt().to(f64), nan.to(f64),
+        (n - nf - nan).to(f64), (xf == 0).sum().to(f64),
+        torch.tensor(float(n), dtype=f64, device=xf.device), checksum.to(f64),
     ])
-
-
-def finish_stats(row: np.ndarray, host: np.ndarray | None) -> np.ndarray:
-    """Host-side fix-up of a stats row: min..l2 over finite values when some were NaN/Inf."""
-    if row[6] + row[7] == 0 or host is None:
-        return row
-    v = host.astype(np.float64).ravel()
-    f = v[np.isfinite(v)]
-    if f.size:
-        row[0:6] = [f.min(), f.max(), f.mean(), f.std(ddof=1) if f.size > 1 else 0.0,
-                    np.abs(f).max(), np.sqrt((f * f).sum())]
-    else:
-        row[0:6] = np.nan
-    return row
 
 
 def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -243,11 +233,7 @@ class Recorder:
             n = calls.get((p.module, p.role, p.slot), 0)
             calls[(p.module, p.role, p.slot)] = n + 1
             key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
-            # stats mode: a NaN/Inf-holding tensor keeps NaN-poisoned min..l2; counts are exact
-            host = None if p.host is None else (
-                bf16_bits_to_float32(p.host) if p.dtype == "bfloat16" else p.host)
-            stats = finish_stats(row[:10].copy(), host)
-            self.writer.add(key, p.kind, p.dtype, p.shape, stats, int(row[10]), p.host)
+            self.writer.add(key, p.kind, p.dtype, p.shape, row[:10], int(row[10]), p.host)
         self.writer.flush()
         return len(items)
 

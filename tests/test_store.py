@@ -1,0 +1,134 @@
+"""Store: schema, execution order, bf16 bit-exactness, incomplete files, no overwrite."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from accucheck.capture.recorder import tensor_stats, to_host
+from accucheck.errors import UserError
+from accucheck.keys import RecordKey
+from accucheck.store import SCHEMA_VERSION, CaptureWriter, open_capture
+
+
+def _key(module, step=0):
+    return RecordKey(0, step, module, 0, "out", "0")
+
+
+def _add(w, module, t):
+    host, dtype = to_host(t)
+    st = tensor_stats(t).numpy()
+    w.add(_key(module), "module", dtype, tuple(t.shape), st[:10], int(st[10]), host)
+
+
+def test_bf16_round_trips_bit_exact(tmp_path):
+    t = (torch.randn(3, 50, dtype=torch.float32) * 100).to(torch.bfloat16)
+    t[0, 0] = float("nan")
+    t[0, 1] = float("-inf")
+    t[1, 2] = -0.0
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        _add(w, "m", t)
+    with open_capture(tmp_path / "a.h5") as r:
+        back = r.read(_key("m"))
+        raw = h5py.File(tmp_path / "a.h5")["tensors"][r.row(_key("m")).data][()]
+    assert back.dtype == np.float32
+    assert raw.dtype == np.uint16
+    expect = t.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(raw, expect)
+    # exact values: converting back to bf16 gives the same bits (NaN payloads aside)
+    rt = torch.from_numpy(back).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    finite = ~np.isnan(back)
+    np.testing.assert_array_equal(rt[finite], expect[finite])
+    assert np.isnan(back[0, 0]) and back[0, 1] == -np.inf
+
+
+def test_execution_order_is_not_alphabetical(tmp_path):
+    mods = [f"model.layers.{i}" for i in (0, 1, 2, 10, 11)]
+    order = [mods[i] for i in (0, 1, 2, 3, 4)]
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        for m in order:
+            _add(w, m, torch.ones(2))
+    with open_capture(tmp_path / "a.h5") as r:
+        assert [row.key.module for row in r.rows] == order
+        assert sorted(order) != order  # the alphabetical order would differ
+
+
+def test_stats_are_exact_and_finite_only(tmp_path):
+    t = torch.tensor([1.0, -2.0, 0.0, float("nan"), float("inf"), 4.0])
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        _add(w, "m", t)
+    with open_capture(tmp_path / "a.h5") as r:
+        s = r.row(_key("m")).stats
+    assert (s.min, s.max, s.nan, s.inf, s.zero, s.numel) == (-2.0, 4.0, 1, 1, 1, 6)
+    assert s.mean == pytest.approx(0.75)
+    assert s.l2 == pytest.approx(np.sqrt(21))
+
+
+def test_refuses_to_overwrite(tmp_path):
+    p = tmp_path / "a.h5"
+    p.write_bytes(b"precious")
+    with pytest.raises(UserError, match="--force"):
+        CaptureWriter(p, meta={})
+    assert p.read_bytes() == b"precious"
+
+
+def test_incomplete_file_opens_but_is_refused_by_default(tmp_path):
+    p = tmp_path / "a.h5"
+    w = CaptureWriter(p, meta={}, store="stats")
+    _add(w, "m", torch.ones(3))
+    w.flush()  # what the recorder does after every step; then the process dies
+    w._f.close()
+    with pytest.raises(UserError, match="incomplete"):
+        open_capture(p)
+    with open_capture(p, allow_incomplete=True) as r:
+        assert not r.complete and len(r.rows) == 1
+
+
+def test_exception_inside_writer_leaves_incomplete(tmp_path):
+    p = tmp_path / "a.h5"
+    with pytest.raises(RuntimeError):
+        with CaptureWriter(p, meta={}) as w:
+            _add(w, "m", torch.ones(3))
+            raise RuntimeError("boom")
+    with open_capture(p, allow_incomplete=True) as r:
+        assert not r.complete
+
+
+def test_foreign_and_future_files_are_refused(tmp_path):
+    p = tmp_path / "x.h5"
+    with h5py.File(p, "w") as f:
+        f["a"] = 1
+    with pytest.raises(UserError, match="not an accucheck capture"):
+        open_capture(p)
+    q = tmp_path / "v.h5"
+    with CaptureWriter(q, meta={}) as w:
+        pass
+    with h5py.File(q, "a") as f:
+        f.attrs["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(UserError, match="HINT: re-run"):
+        open_capture(q)
+    (tmp_path / "t.h5").write_text("not hdf5")
+    with pytest.raises(UserError, match="not a readable HDF5"):
+        open_capture(tmp_path / "t.h5")
+    with pytest.raises(UserError, match="no such capture"):
+        open_capture(tmp_path / "missing.h5")
+
+
+def test_iter_chunks_bounded_and_complete(tmp_path):
+    t = torch.arange(1000, dtype=torch.float32).reshape(100, 10)
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        _add(w, "m", t)
+    with open_capture(tmp_path / "a.h5") as r:
+        chunks = list(r.iter_chunks(_key("m"), max_elems=64))
+    assert max(c.size for c in chunks) <= 64
+    np.testing.assert_array_equal(np.concatenate(chunks), t.numpy().ravel())
+
+
+def test_record_key_round_trip():
+    for k in (RecordKey(1, 3, "model.layers.10.mlp", 2, "in", "hidden_states"),
+              RecordKey(0, 0, "logits", 0, "out", "0"),
+              RecordKey(0, 1, "model.layers.0.mlp", 0, "shadow", "0", "aten.mul.Tensor", 7)):
+        assert RecordKey.parse(str(k)) == k
+    with pytest.raises(UserError):
+        RecordKey.parse("layers.0")
