@@ -26,14 +26,15 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
 
 Row order in /index is execution order (HDF5 iterates group members alphabetically, so
 "layers.10" would sort before "layers.2"; the index is an array and keeps call order).
-The index is appended as the capture runs and flushed after every step, so a capture killed
-midway still opens: `complete` is then false and readers refuse it unless asked not to.
+The index is appended as the capture runs and flushed at step ends (at most once a second), so a
+capture killed midway still opens: `complete` is then false and readers refuse it unless asked not to.
 No pickle: strings, numbers and arrays only.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -149,6 +150,8 @@ class CaptureWriter:
         self._n = 0
         self._seen: set[str] = set()
         self._closed = False
+        self.flush_interval = 1.0
+        self._last_flush = float("-inf")
 
     def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None) -> None:
@@ -183,7 +186,14 @@ class CaptureWriter:
         if prompt is not None:
             g.attrs["prompt"] = prompt
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
+        """Write buffered index rows and flush HDF5. Cheap to call after every step: unless
+        `force`, it writes at most once per `flush_interval` seconds (a killed capture loses at
+        most that much)."""
+        now = time.monotonic()
+        if not force and now - self._last_flush < self.flush_interval:
+            return
+        self._last_flush = now
         if self._rows:
             idx = self._f["index"]
             n0, k = self._n, len(self._rows)
@@ -208,7 +218,7 @@ class CaptureWriter:
             return
         self._closed = True
         try:
-            self.flush()
+            self.flush(force=True)
             self._f.attrs["complete"] = bool(complete)
         finally:
             self._f.close()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from accucheck.capture.recorder import tensor_stats, to_host
+from accucheck.capture.recorder import finish_stats, tensor_stats, to_host
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.store import SCHEMA_VERSION, CaptureWriter, open_capture
@@ -18,8 +18,10 @@ def _key(module, step=0):
 
 def _add(w, module, t):
     host, dtype = to_host(t)
-    st = tensor_stats(t).numpy()
-    w.add(_key(module), "module", dtype, tuple(t.shape), st[:10], int(st[10]), host)
+    raw = tensor_stats(t).numpy()
+    exact = t.detach().to(torch.float64).numpy()
+    w.add(_key(module), "module", dtype, tuple(t.shape), finish_stats(raw, t.numel(), exact),
+          int(raw[7]), host)
 
 
 def test_bf16_round_trips_bit_exact(tmp_path):
@@ -63,6 +65,12 @@ def test_stats_are_exact_and_finite_only(tmp_path):
     assert (s.min, s.max, s.nan, s.inf, s.zero, s.numel) == (-2.0, 4.0, 1, 1, 1, 6)
     assert s.mean == pytest.approx(0.75)
     assert s.l2 == pytest.approx(np.sqrt(21))
+    # without the tensor at hand (stats mode) the counts stay exact, min..l2 are NaN
+    raw = tensor_stats(t).numpy()
+    row = finish_stats(raw, t.numel())
+    assert list(row[6:]) == [1, 1, 1, 6] and np.isnan(row[0])
+    clean = finish_stats(tensor_stats(torch.tensor([3.0, -4.0])).numpy(), 2)
+    assert list(clean) == pytest.approx([-4, 3, -0.5, np.std([3, -4], ddof=1), 4, 5, 0, 0, 0, 2])
 
 
 def test_refuses_to_overwrite(tmp_path):

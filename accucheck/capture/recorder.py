@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, layer_of
-from accucheck.store import CaptureWriter
+from accucheck.store import CaptureWriter, bf16_bits_to_float32
 
 _EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
@@ -91,34 +91,39 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """min, max, mean, std, absmax, l2 (over the finite elements), nan, inf, zero, numel and the
-    checksum, as one float64 tensor on t's device: no host sync, one small transfer later."""
+    """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] as one float64 tensor on t's
+    device: a few fused reductions, no host sync. `finish_stats` turns the row into the stored
+    statistics on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
+    exact); `finish_stats` recomputes them over the finite values when the tensor is at hand."""
     x = t.detach()
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
-    n = xf.numel()
-    finite = torch.isfinite(xf)
-    nf = finite.sum()
-    z = torch.where(finite, xf, 0)
-    s = z.sum()
-    s2 = (z * z).sum()
-    mean = s / nf.clamp(min=1)
-    var = (s2 - s * mean) / (nf - 1).clamp(min=1)
-    if n:
-        mn = torch.where(finite, xf, float("inf")).min()
-        mx = torch.where(finite, xf, float("-inf")).max()
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    if xf.numel():
+        mn, mx = torch.aminmax(xf)
     else:
-        mn = mx = s
-    nan = torch.isnan(xf).sum()
-    bits = x.contiguous().view(_BITS[x.element_size()]) if x.is_floating_point() else x
-    checksum = torch.remainder(bits.to(torch.int64).sum(), 2**52)
-    f64 = torch.float64
-    return torch.stack([
-        mn.to(f64), mx.to(f64), mean.to(f64), var.clamp(min=0).sqrt().to(f64),
-        torch.maximum(mx.abs(), mn.abs()).to(f64), s2.sqrt().to(f64), nan.to(f64),
-        (n - nf - nan).to(f64), (xf == 0).sum().to(f64),
-        torch.tensor(float(n), dtype=f64, device=xf.device), checksum.to(f64),
-    ])
+        mn = mx = xf.sum()
+    bits = x.view(_BITS[x.element_size()]) if x.is_floating_point() else x
+    vals = torch.stack([mn, mx, xf.sum(), torch.linalg.vector_norm(xf)]).to(torch.float64)
+    counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum(), (xf == 0).sum(),
+                          torch.remainder(bits.sum(), 2**52)]).to(torch.float64)
+    return torch.cat([vals, counts])
+
+
+def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
+    """Stored statistics row (store.STAT_FIELDS) from a `tensor_stats` row. `host` (the exact
+    values, when captured) lets a NaN/Inf-holding tensor get finite-only min..l2."""
+    mn, mx, s, l2, nan, inf, zero = (float(v) for v in raw[:7])
+    if nan + inf and host is not None:
+        f = host.astype(np.float64).ravel()
+        f = f[np.isfinite(f)]
+        nf = f.size
+        mn, mx, s, l2 = (f.min(), f.max(), f.sum(), np.sqrt(f @ f)) if nf else (np.nan,) * 4
+    else:
+        nf = numel - nan - inf
+    mean = s / nf if nf else np.nan
+    var = max(l2 * l2 - s * mean, 0.0) / (nf - 1) if nf > 1 else 0.0
+    absmax = max(abs(mn), abs(mx))
+    return np.array([mn, mx, mean, np.sqrt(var), absmax, l2, nan, inf, zero, numel],
+                    dtype=np.float64)
 
 
 def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -233,7 +238,12 @@ class Recorder:
             n = calls.get((p.module, p.role, p.slot), 0)
             calls[(p.module, p.role, p.slot)] = n + 1
             key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
-            self.writer.add(key, p.kind, p.dtype, p.shape, row[:10], int(row[10]), p.host)
+            n_el = int(np.prod(p.shape)) if p.shape else 1
+            host = p.host
+            if host is not None and p.dtype == "bfloat16":
+                host = bf16_bits_to_float32(host)
+            self.writer.add(key, p.kind, p.dtype, p.shape, finish_stats(row, n_el, host),
+                            int(row[7]), p.host)
         self.writer.flush()
         return len(items)
 
