@@ -442,12 +442,10 @@ class _Differ:
     def _flips(self, logits: list[LogitsStep], token_flip: TokenFlip | None
                ) -> tuple[TokenFlip | None, tuple[TokenFlip, ...]]:
         """First (request, step, position) whose greedy token differs in the stored logits, and
-        every flip at a generating position. Falls back to the generated ids for steps whose
-        logits were not stored."""
+        every flip at a generating position. A generated-id difference that the stored logits do
+        not show (no logits stored, or sampling) is kept as a flip of unknown kind."""
         first, gen = None, []
-        covered = set()
         for ls in sorted(logits, key=lambda s: (s.key.req, s.key.step)):
-            covered.add((ls.key.req, ls.key.step))
             last = len(ls.positions) - 1
             for p in ls.positions:
                 if p.agree:
@@ -458,7 +456,8 @@ class _Differ:
                     first = f
                 if f.generating:
                     gen.append(f)
-        if token_flip is not None and (token_flip.req, token_flip.step) not in covered:
+        if token_flip is not None and not any(
+                (g.req, g.step) == (token_flip.req, token_flip.step) for g in gen):
             gen.append(token_flip)
             if first is None or (token_flip.req, token_flip.step) < (first.req, first.step):
                 first = token_flip

@@ -19,7 +19,9 @@ Input error of a record (per request and step, no model-specific names):
 - none (first record of its step with no recorded input): input error unknown, treated as exact.
 
 A record over tolerance is "introduced" when its error exceeds `amplification` (default 4) times
-its input error, else "inherited". With shadow records (--shadow), the local error decides:
+what explains it: its input error and, for a container (a decoder layer, a module with recorded
+ops), the largest error among its recorded children; else "inherited". A container is thus
+blamed only when none of its recorded children carries the error (e.g. a wrong residual add). With shadow records (--shadow), the local error decides:
 introduced when the shadow error itself is over tolerance.
 
 The first divergence is the first record, in execution order (earliest step, then request),
@@ -56,13 +58,20 @@ class RecordLocation:
     input_from: tuple[str, ...]   # keys whose error bounds the input error
     within: bool
     cause: str | None             # "introduced" | "inherited" | None when within tolerance
-    introduced: float             # local error: shadow rel_l2, else max(0, error - input_error)
+    introduced: float             # local error: shadow rel_l2, else max(0, error - explained)
+    inner_error: float | None = None  # largest error among recorded children (containers)
+
+    @property
+    def explained(self) -> float:
+        """The error this record's inputs and recorded children already carry."""
+        return max(self.input_error or 0.0, self.inner_error or 0.0)
 
     @property
     def amplification(self) -> float:
-        if not self.input_error:
+        e = self.explained
+        if not e:
             return math.inf if self.error > 0 else 1.0
-        return self.error / self.input_error
+        return self.error / e
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class Divergence:
     basis: str                    # "tensor" | "stats" | "shape"
     metrics: TensorMetrics | None
     path: tuple[str, ...]         # enclosing modules, outermost first (decoder layer, ...)
+    inner_error: float | None = None
 
     @property
     def module(self) -> str:
@@ -87,9 +97,8 @@ class Divergence:
 
     @property
     def amplification(self) -> float:
-        if not self.input_error:
-            return math.inf
-        return self.error / self.input_error
+        e = max(self.input_error or 0.0, self.inner_error or 0.0)
+        return self.error / e if e else math.inf
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         loc = locs[str(pick.key)]
         first = Divergence(pick.key, loc.cause or "inherited", pick.error, loc.input_error,
                            loc.input_from, pick.tolerance.rel_l2, pick.basis, pick.metrics,
-                           paths.get(str(pick.key), ()))
+                           paths.get(str(pick.key), ()), loc.inner_error)
     ranked = sorted((x for x in records if x.introduced > 0 and x.key.role != "in"),
                     key=lambda x: -x.introduced)[:top]
     curve = tuple(
@@ -178,12 +187,12 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
                    r.within)
         for r in diff.records
         if r.key.role == "out" and r.key.op is None and is_layer_module(r.key.module)
-        and _first_slot(r.key, diff) and layer_of(r.key.module) is not None)
+        and _first_slot(r.key) and layer_of(r.key.module) is not None)
     return Location(first, records, tuple(ranked), curve, amplification)
 
 
-def _first_slot(key: RecordKey, diff: DiffResult) -> bool:
-    return key.slot in ("0", "hidden_states", "_")  or key.slot.split(".")[0] == "0"
+def _first_slot(key: RecordKey) -> bool:
+    return key.slot in ("0", "hidden_states") or key.slot.split(".")[0] == "0"
 
 
 class _Node:
@@ -292,8 +301,9 @@ def _locate_group(recs: list[RecordDiff], amp: float, locs: dict, site_err: dict
         while p is not None:
             chain.append(p.module)
             p = p.parent
+        inner = max((c.error for c in n.children if c.outs), default=None)
         for r in n.outs:
-            locs[str(r.key)] = _classify(r, n.input_error, n.input_from, amp)
+            locs[str(r.key)] = _classify(r, n.input_error, n.input_from, inner, amp)
             paths[str(r.key)] = tuple(reversed(chain))
             site_err.setdefault((r.key.req, r.key.site), []).append((r.key.step, r.error))
     for rs in ins.values():
@@ -307,20 +317,21 @@ def _siblings(n: _Node, roots: list[_Node]) -> list[_Node]:
 
 
 def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, ...],
-              amp: float) -> RecordLocation:
+              inner: float | None, amp: float) -> RecordLocation:
     err = r.error
+    explained = max(input_error or 0.0, inner or 0.0)
     if r.shadow is not None:
         local = r.shadow.rel_l2
         introduced = local
         cause = None if r.within else (
             "introduced" if local > r.tolerance.rel_l2 else "inherited")
     else:
-        inp = input_error or 0.0
-        introduced = max(0.0, err - inp) if math.isfinite(err) else math.inf
+        introduced = max(0.0, err - explained) if math.isfinite(err) else math.inf
         if r.within:
             cause = None
-        elif r.basis == "shape" or not input_error or err > amp * input_error:
+        elif r.basis == "shape" or not explained or err > amp * explained:
             cause = "introduced"
         else:
             cause = "inherited"
-    return RecordLocation(r.key, err, input_error, input_from, r.within, cause, introduced)
+    return RecordLocation(r.key, err, input_error, input_from, r.within, cause, introduced,
+                          inner)

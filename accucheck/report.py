@@ -49,6 +49,10 @@ def _g(x: float | None) -> str:
 def _cos(x: float | None) -> str:
     if x is None:
         return "-"
+    if x == 1.0:
+        return "1"
+    if x > 0.9999:
+        return f"1-{1 - x:.1e}"
     return f"{x:.6f}" if x > 0.99 else f"{x:.4g}"
 
 
@@ -133,6 +137,7 @@ def _record_json(r: RecordDiff, loc: RecordLocation) -> dict:
         "ref_shape": list(r.ref_shape), "cand_shape": list(r.cand_shape), "basis": r.basis,
         "within": r.within, "cause": loc.cause, "rel_l2": r.error, "cosine": r.cosine,
         "input_rel_l2": loc.input_error, "input_from": list(loc.input_from),
+        "inner_rel_l2": loc.inner_error,
         "introduced": loc.introduced, "tolerance": r.tolerance.as_dict(),
         "metrics": r.metrics.as_dict() if r.metrics is not None else None,
         "stats": ({"identical": r.stats.identical,
@@ -171,7 +176,8 @@ def to_json(a: Analysis) -> dict:
     if fd is not None:
         first = dict(_key_fields(fd.key), **{
             "cause": fd.cause, "rel_l2": fd.error, "input_rel_l2": fd.input_error,
-            "input_from": list(fd.input_from), "amplification": fd.amplification,
+            "input_from": list(fd.input_from), "inner_rel_l2": fd.inner_error,
+            "amplification": fd.amplification,
             "tolerance": fd.tolerance, "basis": fd.basis, "path": list(fd.path),
             "metrics": fd.metrics.as_dict() if fd.metrics is not None else None})
     golden = None

@@ -1,0 +1,155 @@
+"""Metric functions: known values, chunked == whole, ULP in the coarser dtype, logits."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from accucheck import metrics as M
+from accucheck.store import bf16_bits_to_float32
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest even), returned as float32."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return bf16_bits_to_float32(u)
+
+
+def test_known_values():
+    a = np.array([1.0, 2.0, -2.0, 4.0])
+    b = np.array([1.0, 2.5, -2.0, 3.0])
+    assert M.max_abs(a, b) == 1.0
+    assert M.mean_abs(a, b) == pytest.approx(0.375)
+    assert M.max_rel(a, b) == pytest.approx(0.25)
+    assert M.rel_l2(a, b) == pytest.approx(math.sqrt(1.25) / 5.0)
+    assert M.cosine(a, b) == pytest.approx(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
+    assert M.sqnr_db(a, b) == pytest.approx(10 * math.log10(25 / 1.25))
+    assert M.rmse(a, b) == pytest.approx(math.sqrt(1.25 / 4))
+    assert M.frac_rel_below(a, b, 1e-3) == 0.5
+    assert M.rel_l2(a, a) == 0.0 and M.cosine(a, a) == 1.0 and M.sqnr_db(a, a) == math.inf
+
+
+def test_relative_error_edge_cases():
+    z = np.zeros(3)
+    assert M.max_rel(z, z) == 0.0 and M.rel_l2(z, z) == 0.0 and M.cosine(z, z) == 1.0
+    assert M.max_rel(z, np.array([0, 0, 1e-30])) == math.inf
+    assert M.rel_l2(z, np.ones(3)) == math.inf
+
+
+def test_one_near_zero_element_does_not_move_rel_l2():
+    """The tensor-level error ignores what a single near-zero element does to max_rel."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(10_000)
+    a[17] = 1e-9
+    b = a.copy()
+    b[17] = -1e-9  # 200% relative error on one element
+    assert M.max_rel(a, b) == pytest.approx(2.0)
+    assert M.rel_l2(a, b) < 1e-10
+
+
+def test_nan_inf_positions():
+    a = np.array([1.0, np.nan, np.inf, 3.0, -np.inf])
+    b = np.array([1.0, np.nan, -np.inf, np.nan, -np.inf])
+    assert M.nan_inf_mismatch(a, b) == 2
+    # elementwise metrics only look at positions finite on both sides
+    assert M.max_abs(a, b) == 0.0
+    m = M.tensor_metrics(a, b)
+    assert m.nan_inf_mismatch == 2 and m.max_abs == 0.0 and not m.identical
+
+
+@pytest.mark.parametrize("ref_dtype,cand_dtype", [("float32", "float32"),
+                                                  ("float32", "bfloat16"),
+                                                  ("float64", "float16")])
+def test_chunked_accumulator_equals_whole_array(ref_dtype, cand_dtype):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(5003).astype(np.float64 if ref_dtype == "float64" else np.float32)
+    b = (a * (1 + 1e-3 * rng.standard_normal(a.size))).astype(a.dtype)
+    a[10], b[20] = np.nan, np.inf
+    if cand_dtype == "bfloat16":
+        b = bf16(b)
+    elif cand_dtype == "float16":
+        b = b.astype(np.float16)
+    acc = M.MetricAccumulator(ref_dtype, cand_dtype, rtol=1e-3, atol=1e-5)
+    for i in range(0, a.size, 997):
+        acc.add(a[i:i + 997], b[i:i + 997])
+    got = acc.result()
+    whole = M.tensor_metrics(a, b, ref_dtype, cand_dtype, rtol=1e-3, atol=1e-5)
+    fin = np.isfinite(a.astype(np.float64)) & np.isfinite(b.astype(np.float64))
+    for name in ("max_abs", "max_rel", "max_ulp", "nan_inf_mismatch", "worst_index",
+                 "mismatched", "numel"):
+        assert getattr(got, name) == getattr(whole, name), name
+    for name in ("mean_abs", "rel_l2", "cosine", "sqnr_db", "rmse", "frac_rel_lt_1e3",
+                 "frac_rel_lt_5e3"):
+        assert getattr(got, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
+    # and the accumulator agrees with the pure functions
+    assert got.rel_l2 == pytest.approx(M.rel_l2(a, b), rel=1e-12)
+    assert got.max_rel == M.max_rel(a, b)
+    assert got.frac_rel_lt_1e3 == pytest.approx(M.frac_rel_below(a, b, 1e-3))
+    assert got.max_ulp == M.max_ulp(a, b, M.coarser_dtype(ref_dtype, cand_dtype))
+    assert got.nan_inf_mismatch == 2
+    assert got.worst_index is not None and fin[got.worst_index]
+    assert abs(got.worst_ref - got.worst_cand) == got.max_abs
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))[fin]
+    assert got.mismatched == int(np.count_nonzero(d > 1e-5 + 1e-3 * np.abs(a[fin])))
+
+
+def test_ulp_in_the_coarser_dtype():
+    x = np.float32(1.0) + np.float32(2 ** -23) * np.arange(0, 300, 7, dtype=np.float32)
+    # a float32 reference and its own bfloat16 rounding are 0 bf16 ULPs apart ...
+    assert M.max_ulp(x, bf16(x), "bfloat16") == 0
+    # ... but many float32 ULPs
+    assert M.max_ulp(x, bf16(x), "float32") > 100
+    one = np.array([1.0], np.float32)
+    assert M.max_ulp(one, np.nextafter(one, np.float32(2)), "float32") == 1
+    assert M.max_ulp(one, one + np.float32(2 ** -7), "bfloat16") == 1
+    assert M.max_ulp(np.array([1.0]), np.array([1.0 + 2 ** -10]), "float16") == 1
+    assert M.max_ulp(np.array([0.0]), np.array([-0.0]), "float32") == 0
+    # across zero: the smallest subnormals on either side are 2 ULPs apart
+    assert M.max_ulp(np.array([1e-45], np.float32), np.array([-1e-45], np.float32),
+                     "float32") == 2
+    acc = M.MetricAccumulator("float32", "bfloat16")
+    acc.add(x, bf16(x))
+    assert acc.result().max_ulp == 0 and acc.result().ulp_dtype == "bfloat16"
+    assert M.max_ulp(np.arange(3), np.arange(3), "int64") is None
+    assert M.coarser_dtype("float16", "bfloat16") == "bfloat16"
+    assert M.coarser_dtype("float32", "int64") == "float32"
+
+
+def test_bf16_rounding_of_an_fp32_tensor_has_the_expected_rel_l2():
+    """Calibration anchor: bf16 rounding is a uniform half-ULP error, rel_l2 ~ 1.5e-3."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(100_000).astype(np.float32)
+    r = M.rel_l2(a, bf16(a))
+    assert 1.0e-3 < r < 2.5e-3
+
+
+def test_logits_metrics():
+    ref = np.array([[3.0, 1.0, 0.5, 0.0, -1.0, -2.0],
+                    [1.0, 0.99, 0.0, 0.0, 0.0, 0.0]])
+    cand = np.array([[3.0, 1.0, 0.5, 0.0, -1.0, -2.0],
+                     [0.99, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    kl = M.kl_div(ref, cand)
+    assert kl[0] == 0.0 and kl[1] > 0
+    p, q = np.exp(M.log_softmax(ref[1])[0]), np.exp(M.log_softmax(cand[1])[0])
+    assert kl[1] == pytest.approx(np.sum(p * np.log(p / q)))
+    assert M.top1_agree(ref, cand).tolist() == [True, False]
+    assert M.top2_margin(ref).tolist() == pytest.approx([2.0, 0.01])
+    assert M.topk_overlap(ref, cand, 2).tolist() == [1.0, 1.0]
+    assert M.topk_overlap(ref, -ref, 2).tolist() == [0.0, 0.0]
+    # noise is shift-invariant: a constant offset is not logit error
+    assert M.logit_noise(ref, ref + 5.0).tolist() == pytest.approx([0.0, 0.0])
+    assert M.logit_noise(ref, cand)[1] > 0
+
+
+def test_metrics_module_is_pure():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(M))
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+            for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree)
+             if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= {"__future__", "math", "dataclasses", "numpy"}
