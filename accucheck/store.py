@@ -16,6 +16,12 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             for 16-bit inputs, float64 otherwise)
     /index/checksum         [n] int64: sum of the raw bit patterns (as integers) mod 2**52
     /index/data             [n] strings: dataset name under /tensors, "" in stats mode
+    /index/extra            [n] strings (OPTIONAL: files written before it existed lack it; a
+                            reader treats it as all ""): "" or a JSON object with per-record
+                            details. Op records (kind "op", first output slot of each op call):
+                            {"site": "transformers/.../modeling_llama.py:154 in forward",
+                             "args": [...], "kwargs": {...}} where "args"/"kwargs" describe the
+                            op call with tensors as {"t": "<in slot>"} (see accucheck.capture.ops)
     /tensors/<8 digits>     the tensor in its original dtype and shape (chunked, optional
                             gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
@@ -55,6 +61,7 @@ _INDEX_COLUMNS = {
     "key": _STR, "kind": _STR, "dtype": _STR, "shape": _STR, "data": _STR,
     "checksum": np.int64,
 }
+_OPTIONAL_COLUMNS = {"extra": _STR}  # absent in older schema-1 files
 _NATIVE = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
            "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32,
            "int64": np.int64, "bool": np.bool_}
@@ -93,6 +100,7 @@ class IndexRow:
     stats: Stats
     checksum: int
     data: str  # dataset name under /tensors, "" when only statistics were stored
+    extra: str = ""  # JSON object with per-record details (op call site, op arguments) or ""
 
     @property
     def has_data(self) -> bool:
@@ -140,7 +148,7 @@ class CaptureWriter:
         self._f.create_dataset("meta", data=json.dumps(dict(meta, store=store), sort_keys=True),
                                dtype=_STR)
         idx = self._f.create_group("index")
-        for name, dt in _INDEX_COLUMNS.items():
+        for name, dt in {**_INDEX_COLUMNS, **_OPTIONAL_COLUMNS}.items():
             idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,))
         idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)), maxshape=(None, len(STAT_FIELDS)),
                            dtype=np.float64, chunks=(1024, len(STAT_FIELDS)))
@@ -154,9 +162,11 @@ class CaptureWriter:
         self._last_flush = float("-inf")
 
     def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
-            stats: np.ndarray, checksum: int, data: np.ndarray | None = None) -> None:
+            stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
+            extra: str = "") -> None:
         """Add one record. `data` (full mode only) is the tensor as a numpy array in its stored
-        representation (bfloat16 as uint16 bit patterns, `dtype` says "bfloat16")."""
+        representation (bfloat16 as uint16 bit patterns, `dtype` says "bfloat16"). `extra`: ""
+        or a JSON object string (see /index/extra)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
         skey = str(key)
@@ -174,7 +184,7 @@ class CaptureWriter:
                 compression=self.compression if arr.size else None)
             ds.attrs["dtype"] = dtype
         self._rows.append((skey, kind, dtype, json.dumps([int(s) for s in shape]), name,
-                           int(checksum), np.asarray(stats, dtype=np.float64)))
+                           int(checksum), np.asarray(stats, dtype=np.float64), extra))
 
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
@@ -198,7 +208,8 @@ class CaptureWriter:
             idx = self._f["index"]
             n0, k = self._n, len(self._rows)
             cols = list(zip(*self._rows))
-            for j, name in enumerate(("key", "kind", "dtype", "shape", "data", "checksum")):
+            for j, name in ((0, "key"), (1, "kind"), (2, "dtype"), (3, "shape"), (4, "data"),
+                            (5, "checksum"), (7, "extra")):
                 ds = idx[name]
                 ds.resize((n0 + k,))
                 ds[n0:] = np.asarray(cols[j], dtype=object if name != "checksum" else np.int64)
@@ -281,6 +292,7 @@ class CaptureReader:
         idx = self._f["index"]
         n = min(idx[c].shape[0] for c in list(_INDEX_COLUMNS) + ["stats"])
         cols = {c: idx[c][:n] for c in _INDEX_COLUMNS}
+        extra = idx["extra"][:n] if "extra" in idx and idx["extra"].shape[0] >= n else None
         stats = idx["stats"][:n]
         rows = []
         for i in range(n):
@@ -289,7 +301,8 @@ class CaptureReader:
                 kind=_as_str(cols["kind"][i]), dtype=_as_str(cols["dtype"][i]),
                 shape=tuple(json.loads(_as_str(cols["shape"][i]))),
                 stats=Stats.from_row(stats[i]), checksum=int(cols["checksum"][i]),
-                data=_as_str(cols["data"][i])))
+                data=_as_str(cols["data"][i]),
+                extra=_as_str(extra[i]) if extra is not None else ""))
         return rows
 
     @property
