@@ -146,6 +146,11 @@ class _Pending:
     host: np.ndarray | None
     dtype: str
     shape: tuple[int, ...]
+    # op-level records (accucheck.capture.ops) and shadow replays carry their own key parts
+    op: str | None = None
+    op_index: int | None = None
+    call: int | None = None
+    extra: str = ""
 
 
 class Recorder:
@@ -235,15 +240,19 @@ class Recorder:
         rows = torch.stack([p.stats for p in items]).to("cpu").numpy()  # one transfer per step
         calls: dict[tuple[str, str, str], int] = {}
         for p, row in zip(items, rows):
-            n = calls.get((p.module, p.role, p.slot), 0)
-            calls[(p.module, p.role, p.slot)] = n + 1
-            key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
+            if p.call is not None:
+                key = RecordKey(self._req, self._step, p.module, p.call, p.role, p.slot, p.op,
+                                p.op_index)
+            else:
+                n = calls.get((p.module, p.role, p.slot), 0)
+                calls[(p.module, p.role, p.slot)] = n + 1
+                key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
             n_el = int(np.prod(p.shape)) if p.shape else 1
             host = p.host
             if host is not None and p.dtype == "bfloat16":
                 host = bf16_bits_to_float32(host)
             self.writer.add(key, p.kind, p.dtype, p.shape, finish_stats(row, n_el, host),
-                            int(row[7]), p.host)
+                            int(row[7]), p.host, p.extra)
         self.writer.flush()
         return len(items)
 
