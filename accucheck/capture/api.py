@@ -27,6 +27,7 @@ from accucheck.errors import UserError
 from accucheck.store import CaptureWriter, open_capture
 
 MODES = ("eager", "graph")
+LEVELS = ("module", "op")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class CaptureOptions:
     tokens_from: a reference capture whose prompt and generated token ids this run must follow.
     compile_backend: torch.compile backend for mode "graph" (default: inductor, or the torchair
     NPU backend on NPU when installed).
+    level: "module" (forward hooks) or "op" (also every operator inside the selected modules,
+    accucheck.capture.ops; eager mode only).
+    shadow: a reference capture (--store full --inputs) whose recorded inputs every selected
+    module (and op, at level op) is replayed on; results are role "shadow"
+    (accucheck.capture.shadow). Implies tokens_from = shadow unless tokens_from is given.
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -54,11 +60,18 @@ class CaptureOptions:
     compression: str | None = None
     compile_backend: str | None = None
     force: bool = False
+    level: str = "module"
+    shadow: str | None = None
     meta_extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"unknown mode {self.mode!r}: use eager or graph")
+        if self.level not in LEVELS:
+            raise UserError(f"unknown level {self.level!r}: use module or op")
+        if self.mode == "graph" and (self.level == "op" or self.shadow):
+            raise UserError("--level op and --shadow need --mode eager (a compiled graph runs "
+                            "neither ops one by one nor module replays)")
         if self.max_new_tokens < 0:
             raise UserError("--max-new-tokens must be >= 0")
         if self.dtype is not None:
@@ -98,8 +111,9 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     dtype_name = _dtype_name(next(model.parameters()).dtype)
     causal = is_causal_lm(model)
     prompt_ids = _prompt_ids(prompts, tokenizer)
-    forced = _forced_tokens(opts.tokens_from, model, prompt_ids, prompts, tokenizer,
-                            opts.max_new_tokens) if opts.tokens_from else None
+    tokens_from = opts.tokens_from or opts.shadow
+    forced = _forced_tokens(tokens_from, model, prompt_ids, prompts, tokenizer,
+                            opts.max_new_tokens) if tokens_from else None
     if forced is not None:
         prompt_ids = [f[0] for f in forced]
     seeded = dev.seed_everything(opts.seed, spec)
@@ -126,8 +140,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     }
     writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                            compression=opts.compression)
-    recorder = Recorder(model, writer, modules, record_inputs=opts.record_inputs,
-                        graph=opts.mode == "graph")
+    recorder = _recorder(model, writer, modules, opts)
     complete = False
     try:
         with _sigterm_as_interrupt(), recorder.hooks():
@@ -153,7 +166,29 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         complete = True
     finally:
         writer.close(complete=complete)
+        if getattr(recorder, "shadow", None) is not None:
+            recorder.shadow.close()
     return Path(out)
+
+
+def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
+              opts: CaptureOptions) -> Recorder:
+    """The plain module recorder, or (level op / shadow) the op and shadow recorders."""
+    if opts.level == "module" and not opts.shadow:
+        return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
+                        graph=opts.mode == "graph")
+    from accucheck.capture.ops import OpRecorder
+    from accucheck.capture.shadow import ShadowRecorder, ShadowSource
+
+    source = ShadowSource(opts.shadow) if opts.shadow else None
+    cls = OpRecorder if opts.level == "op" else ShadowRecorder
+    try:
+        return cls(model, writer, modules, record_inputs=opts.record_inputs,
+                   graph=opts.mode == "graph", shadow=source)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
 
 
 def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
