@@ -231,6 +231,50 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
     return result.exit_code
 
 
+@cli.command()
+@click.argument("scenario", type=click.Path(dir_okay=False))
+@click.option("--ref", type=click.Path(dir_okay=False),
+              help="use this reference capture instead of running the scenario's reference")
+@click.option("--cand", type=click.Path(dir_okay=False),
+              help="use this candidate capture instead of running the scenario's candidate")
+@click.option("--golden", type=click.Path(dir_okay=False),
+              help="high-precision referee capture (replaces the scenario's [golden])")
+@click.option("--previous", type=click.Path(dir_okay=False),
+              help="last release's report.json (or a capture of its candidate): same / better / "
+                   "worse")
+@click.option("-o", "--out-dir", type=click.Path(file_okay=False), default=None,
+              help="report directory (default: reports/<scenario name>)")
+@click.option("--capture-only", type=click.Choice(["reference", "candidate", "golden"]),
+              default=None, help="only capture this run into OUT_DIR/captures/ROLE.h5 (e.g. the "
+                                 "reference on the GPU box; then --ref it on the NPU box)")
+@click.option("--force", is_flag=True, help="replace the report in a non-empty --out-dir")
+@click.option("-q", "--quiet", is_flag=True, help="no progress on stderr")
+def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force, quiet):
+    """Sign off a release: run (or reuse) the captures SCENARIO describes, diff them, apply its
+    thresholds, write report.md / report.html / report.json. Exit 0 pass, 1 fail, 2 usage
+    error, 3 bad scenario or captures."""
+    from accucheck.scenario import load_scenario
+
+    scn = load_scenario(scenario)
+    out = Path(out_dir) if out_dir else Path("reports") / scn.name
+    log = (lambda m: None) if quiet else err
+    if capture_only:
+        from accucheck.scenario import with_captures
+        from accucheck.signoff import capture_runs
+
+        s = with_captures(scn, reference=ref)
+        paths = capture_runs(s, out / "captures", force=force, progress=log, only=capture_only)
+        click.echo(str(paths[capture_only]))
+        return 0
+    from accucheck.signoff import signoff as run_signoff
+
+    result = run_signoff(scn, ref=ref, cand=cand, golden=golden, previous=previous,
+                         out_dir=out, force=force, progress=log)
+    click.echo(result.summary)
+    err(f"report: {out / 'report.md'}, {out / 'report.html'}, {out / 'report.json'}")
+    return result.exit_code
+
+
 @cli.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -1,0 +1,407 @@
+"""Sign-off scenarios: a typed config loaded from TOML. Imports errors and tolerances; no torch.
+
+A scenario says what to run and how to judge it (see scenarios/*.toml for commented examples):
+
+    name = "tiny-identical"                # default: the file name without .toml
+    description = "..."
+    model = "@tiny"                         # "@tiny" (built-in tiny Llama) or a model directory
+    prompts = ["The quick brown fox"]       # and/or prompts_file = "prompts.txt" (text or JSONL)
+    max_new_tokens = 4                      # greedy decode steps after the prefill (step 0)
+    # run defaults, shared by every run below unless the run sets its own:
+    runner = "hf"                           # "hf" | "vllm"
+    device = "cpu"                          # cpu | cuda[:i] | npu[:i]
+    dtype = "float32"                       # float32 | float16 | bfloat16 | float64
+    mode = "eager"                          # eager | graph
+    seed = 0
+    store = "full"                          # full (exact metrics, logits) | stats
+    deterministic = false
+    include = []                            # module globs (default: the capture default set)
+    exclude = []
+    previous = "reports/1.2/report.json"    # optional: the last release's report.json (or a
+                                            # capture of the last release's candidate, .h5)
+
+    [reference]                             # a run (keys as the defaults above), or
+    capture = "gpu.h5"                      # an existing capture to use instead of running
+    [candidate]                             # same keys, plus
+    teacher_forcing = true                  # decode the reference's tokens (default true)
+    fault = { module = "model.layers.2.mlp", kind = "bf16" }   # TESTING / DEMO ONLY
+    [golden]                                # optional high-precision referee run (or capture)
+    dtype = "float64"
+
+    [thresholds]                            # every key optional
+    rel_l2 = 1e-3                           # per-record tolerance (default: dtype table)
+    layer_rel_l2 = 1e-3                     # max rel L2 of decoder-layer outputs
+    layer_cosine = 0.9999                   # min cosine of decoder-layer outputs
+    logits_kl = 1e-4                        # max KL(ref || cand) at any logits position
+    top1_agreement = 1.0                    # min fraction of logits positions with the same top-1
+    token_agreement = 1.0                   # min fraction of generated tokens that agree
+    near_tie_flips = 0                      # generated-token flips allowed when near-ties
+    real_flips = 0                          # generated-token flips allowed that are not
+    amplification = 4.0                     # locate: "introduced" above this output/input ratio
+    regression_margin = 0.25                # vs previous: relative change that counts
+    fail_on_regression = true               # "worse than last release" fails the sign-off
+    [thresholds.tolerances]                 # per-key overrides (like `accucheck diff --tol`)
+    "*.mlp" = "rel_l2:1e-3"
+
+Relative paths (model, prompts_file, capture, previous) are relative to the scenario file.
+Unknown keys and wrong types are UserErrors (exit 3) that name the key and the file.
+
+`fault` plants a fault (accucheck.capture.faults) in the candidate run: it exists so that the
+shipped demo scenario and the tests can show a failing sign-off with a known culprit. Never use
+it in a real sign-off; the report says loudly when a run had a planted fault.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from accucheck.errors import UserError
+from accucheck.tolerances import ToleranceTable
+
+TINY = "@tiny"
+RUNNERS = ("hf", "vllm")
+STORES = ("stats", "full")
+MODES = ("eager", "graph")
+ROLES = ("reference", "candidate", "golden")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
+                  "half": "float16", "double": "float64", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A planted fault (TESTING / DEMO ONLY): `kind` as in accucheck.capture.faults."""
+    module: str
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} @ {self.module}"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the pair (or the golden referee): how to capture it, or which file to use."""
+    role: str
+    capture: Path | None = None       # use this capture instead of running
+    runner: str = "hf"
+    device: str = "cpu"
+    dtype: str = "float32"
+    mode: str = "eager"
+    seed: int = 0
+    store: str = "full"
+    deterministic: bool = False
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    record_inputs: bool = False
+    compile_backend: str | None = None
+    engine_args: dict = field(default_factory=dict)   # vLLM engine options
+    teacher_forcing: bool = True      # candidate / golden: decode the reference's tokens
+    fault: Fault | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(self.role)
+
+    @property
+    def label(self) -> str:
+        """Short description for reports: "cpu float32 eager (hf)" or the capture file."""
+        if self.capture is not None:
+            return f"capture {self.capture.name}"
+        s = f"{self.device} {self.dtype} {self.mode} ({self.runner})"
+        return s + (f" + planted fault {self.fault}" if self.fault else "")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """How a sign-off judges the diff. None = not checked (beyond the per-record tolerances)."""
+    rel_l2: float | None = None
+    tolerances: tuple[tuple[str, str], ...] = ()
+    layer_rel_l2: float | None = None
+    layer_cosine: float | None = None
+    logits_kl: float | None = None
+    top1_agreement: float | None = None
+    token_agreement: float | None = None
+    near_tie_flips: int = 0
+    real_flips: int = 0
+    amplification: float | None = None
+    regression_margin: float = 0.25
+    fail_on_regression: bool = True
+
+    def tolerance_table(self) -> ToleranceTable:
+        """The diff's per-record tolerances: dtype defaults (or `rel_l2`) plus overrides."""
+        return ToleranceTable.from_options(
+            rel_l2=self.rel_l2, overrides=[f"{p}={s}" for p, s in self.tolerances])
+
+
+@dataclass(frozen=True)
+class Scenario:
+    path: Path | None
+    name: str
+    description: str
+    model: str                        # "@tiny" or an absolute model directory
+    prompts: tuple[str, ...]
+    max_new_tokens: int
+    reference: RunSpec
+    candidate: RunSpec
+    golden: RunSpec | None = None
+    previous: Path | None = None
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    trust_remote_code: bool = False
+
+    def run(self, role: str) -> RunSpec | None:
+        return {"reference": self.reference, "candidate": self.candidate,
+                "golden": self.golden}[role]
+
+
+# ----------------------------------------------------------------------------- loading
+
+_RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministic", "include",
+             "exclude", "record_inputs", "compile_backend", "engine_args"}
+_RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault"}
+_TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
+             "previous", "trust_remote_code", "reference", "candidate", "golden",
+             "thresholds"} | _RUN_KEYS
+_THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
+
+
+class _Reader:
+    """Typed access to one TOML table; every read key is marked, the rest are unknown."""
+
+    def __init__(self, src: str, table: dict, prefix: str = ""):
+        self.src, self.table, self.prefix = src, table, prefix
+
+    def fail(self, key: str, what: str) -> UserError:
+        return UserError(f"{self.src}: {self.prefix}{key} {what}")
+
+    def check_known(self, known: set[str]) -> None:
+        for k in self.table:
+            if k not in known:
+                near = sorted(known)
+                raise UserError(f"{self.src}: unknown key {self.prefix}{k!r} (known keys here: "
+                                f"{', '.join(near)})")
+
+    def get(self, key: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+        if key not in self.table:
+            return default
+        v = self.table[key]
+        tt = types if isinstance(types, tuple) else (types,)
+        if isinstance(v, bool) and bool not in tt:
+            raise self.fail(key, f"must be {_tname(tt)}, not a boolean")
+        if float in tt and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, tt):
+            raise self.fail(key, f"must be {_tname(tt)}, got {type(v).__name__} {v!r}")
+        return v
+
+    def number(self, key: str, default: float | None = None, *, lo: float = 0.0,
+               hi: float = math.inf) -> float | None:
+        v = self.get(key, float, default)
+        if v is not None and not (lo <= v <= hi and math.isfinite(v)):
+            raise self.fail(key, f"must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        return v
+
+    def count(self, key: str, default: int = 0) -> int:
+        v = self.get(key, int, default)
+        if v < 0:
+            raise self.fail(key, f"must be >= 0, got {v}")
+        return v
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        v = self.get(key, list, [])
+        if not all(isinstance(x, str) for x in v):
+            raise self.fail(key, "must be a list of strings")
+        return tuple(v)
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        v = self.get(key, str, default)
+        if v not in choices:
+            raise self.fail(key, f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+
+
+def _tname(tt: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+             list: "a list", dict: "a table"}
+    return " or ".join(names.get(t, t.__name__) for t in tt)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file. Raises UserError (exit 3) naming the file and key."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"scenario {p} does not exist (see scenarios/*.toml for examples)")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"scenario {p} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"scenario {p} is not valid TOML: {e}") from None
+    return scenario_from_dict(data, base=p.parent.resolve(), src=str(p), path=p.resolve())
+
+
+def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<scenario>",
+                       path: Path | None = None) -> Scenario:
+    """Build a Scenario from parsed TOML (paths relative to `base`, default the cwd)."""
+    base = base or Path.cwd()
+    top = _Reader(src, data)
+    top.check_known(_TOP_KEYS)
+
+    def rel(v: str | None) -> Path | None:
+        return None if v is None else (base / Path(v).expanduser()).resolve()
+
+    model = top.get("model", str, TINY)
+    model = model if model == TINY else str(rel(model))
+    prompts = list(top.strings("prompts"))
+    pf = top.get("prompts_file", str)
+    if pf is not None:
+        prompts += _read_prompts_file(rel(pf), src)
+    mnt = top.count("max_new_tokens", 4)
+    defaults = _run_fields(top, {})
+    runs = {}
+    for role in ROLES:
+        if role not in data:
+            if role == "golden":
+                runs[role] = None
+                continue
+            runs[role] = _make_run(role, defaults, {}, src)
+            continue
+        t = top.get(role, dict)
+        r = _Reader(src, t, f"{role}.")
+        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS)
+        extra = _run_fields(r, defaults)
+        cap = r.get("capture", str)
+        if cap is not None:
+            extra["capture"] = rel(cap)
+            if not extra["capture"].is_file():
+                raise r.fail("capture", f"{extra['capture']} does not exist")
+        if role == "reference" and "teacher_forcing" in t:
+            raise r.fail("teacher_forcing", "is for the candidate and golden runs (they follow "
+                                            "the reference's tokens)")
+        extra["teacher_forcing"] = r.get("teacher_forcing", bool, True)
+        f = r.get("fault", dict)
+        if f is not None:
+            fr = _Reader(src, f, f"{role}.fault.")
+            fr.check_known({"module", "kind"})
+            mod, kind = fr.get("module", str), fr.get("kind", str)
+            if not mod or not kind:
+                raise r.fail("fault", "needs module = \"...\" and kind = \"bf16\" (or fp16, "
+                                      "noise:REL, scale:F, act:silu_fast, act:gelu_tanh)")
+            extra["fault"] = Fault(mod, kind)
+        runs[role] = _make_run(role, defaults, extra, src)
+    if runs["reference"].fault is not None:
+        raise UserError(f"{src}: reference.fault: plant faults in the candidate, the reference "
+                        f"is what is trusted")
+    thr = _thresholds(top.get("thresholds", dict, {}), src)
+    prev = top.get("previous", str)
+    previous = rel(prev)
+    if previous is not None and not previous.is_file():
+        raise top.fail("previous", f"{previous} does not exist (a report.json of the last "
+                                   f"release's sign-off, or a capture of its candidate)")
+    name = top.get("name", str) or (path.stem if path is not None else "scenario")
+    return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
+                    runs["reference"], runs["candidate"], runs["golden"], previous, thr,
+                    top.get("trust_remote_code", bool, False))
+
+
+def _run_fields(r: _Reader, defaults: dict) -> dict:
+    out = dict(defaults)
+    if "runner" in r.table:
+        out["runner"] = r.choice("runner", RUNNERS, "hf")
+    if "device" in r.table:
+        out["device"] = r.get("device", str)
+    if "dtype" in r.table:
+        d = r.get("dtype", str)
+        d = _DTYPE_ALIASES.get(d, d)
+        if d not in DTYPES:
+            raise r.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {d!r}")
+        out["dtype"] = d
+    if "mode" in r.table:
+        out["mode"] = r.choice("mode", MODES, "eager")
+    if "seed" in r.table:
+        out["seed"] = r.count("seed")
+    if "store" in r.table:
+        out["store"] = r.choice("store", STORES, "full")
+    for b in ("deterministic", "record_inputs"):
+        if b in r.table:
+            out[b] = r.get(b, bool)
+    for s in ("include", "exclude"):
+        if s in r.table:
+            out[s] = r.strings(s)
+    if "compile_backend" in r.table:
+        out["compile_backend"] = r.get("compile_backend", str)
+    if "engine_args" in r.table:
+        out["engine_args"] = dict(r.get("engine_args", dict))
+    return out
+
+
+def _make_run(role: str, defaults: dict, extra: dict, src: str) -> RunSpec:
+    spec = RunSpec(role=role, **{**defaults, **extra})
+    if spec.runner == "vllm" and spec.fault is not None:
+        raise UserError(f"{src}: {role}.fault: planted faults need runner = \"hf\"")
+    if spec.engine_args and spec.runner != "vllm":
+        raise UserError(f"{src}: {role}.engine_args: only for runner = \"vllm\"")
+    try:
+        from accucheck.capture.device import parse_device  # no torch import
+
+        parse_device(spec.device)
+    except UserError as e:
+        raise UserError(f"{src}: {role}.device: {e}") from None
+    return spec
+
+
+def _thresholds(t: dict, src: str) -> Thresholds:
+    r = _Reader(src, t, "thresholds.")
+    r.check_known(_THRESHOLD_KEYS)
+    tols = r.get("tolerances", dict, {})
+    pairs = []
+    for pat, spec in tols.items():
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            spec = repr(float(spec))
+        if not isinstance(spec, str):
+            raise UserError(f"{src}: thresholds.tolerances.{pat!r} must be a number or a string "
+                            f"like \"rel_l2:1e-3\" or \"rtol:1e-2,atol:1e-3\"")
+        pairs.append((pat, spec))
+    thr = Thresholds(
+        rel_l2=r.number("rel_l2"), tolerances=tuple(pairs),
+        layer_rel_l2=r.number("layer_rel_l2"), layer_cosine=r.number("layer_cosine", lo=-1, hi=1),
+        logits_kl=r.number("logits_kl"), top1_agreement=r.number("top1_agreement", hi=1),
+        token_agreement=r.number("token_agreement", hi=1),
+        near_tie_flips=r.count("near_tie_flips"), real_flips=r.count("real_flips"),
+        amplification=r.number("amplification", lo=1),
+        regression_margin=r.number("regression_margin", 0.25),
+        fail_on_regression=r.get("fail_on_regression", bool, True))
+    try:
+        thr.tolerance_table()
+    except UserError as e:
+        raise UserError(f"{src}: thresholds.tolerances: {e}") from None
+    return thr
+
+
+def _read_prompts_file(p: Path, src: str) -> list[str]:
+    from accucheck.cli import read_prompts  # the one prompts-file reader (text or JSONL)
+
+    try:
+        return read_prompts((), str(p))
+    except UserError as e:
+        raise UserError(f"{src}: prompts_file: {e}") from None
+
+
+def with_captures(s: Scenario, **captures: str | Path | None) -> Scenario:
+    """The scenario with some runs replaced by existing captures (reference=..., candidate=...,
+    golden=...): what `accucheck signoff --ref/--cand/--golden` do."""
+    out = s
+    for role, path in captures.items():
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if not p.is_file():
+            raise UserError(f"--{_FLAG[role]} {path} does not exist")
+        run = s.run(role) or RunSpec(role=role)
+        out = replace(out, **{role: replace(run, capture=p, fault=None)})
+    return out
+
+
+_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden"}

