@@ -35,6 +35,7 @@ from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.metrics import (MetricAccumulator, TensorMetrics, kl_div, logit_noise,
                                top2_margin, topk_overlap)
+from accucheck.opmatch import OpAlignment, align_captures
 from accucheck.store import CaptureReader, IndexRow, open_capture
 from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                   loosest_dtype)
@@ -82,6 +83,8 @@ class RecordDiff:
     stats: StatsDelta | None = None
     shadow: TensorMetrics | None = None   # candidate's shadow replay vs reference output
     golden: GoldenLabel | None = None
+    cand_key: RecordKey | None = None     # op records: the candidate's key when alignment
+                                          # paired another op index / op (accucheck.opmatch)
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "stats", "shape"):
@@ -194,6 +197,7 @@ class DiffResult:
     skipped: int                             # aligned keys not compared (beyond token divergence)
     notes: tuple[str, ...]                   # things the reader must know (said loudly)
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
+    ops: OpAlignment | None = None           # op-level alignment (accucheck.opmatch), if any
 
     @property
     def basis(self) -> str:
@@ -339,13 +343,29 @@ class _Differ:
         for row in self.C.rows:
             if row.key.role == "shadow" and row.key not in self.R:
                 shadows[str(row.key.with_role("out"))] = row
+        # op records (role in/out) pair by alignment inside each module call, never by key
+        # (accucheck.opmatch): ops on one side only are "fused / absent", not missing keys
         missing = [MissingKey(str(r.key), "ref") for r in self.R.rows
-                   if self._wanted(r.key) and r.key not in self.C]
+                   if self._wanted(r.key) and r.key not in self.C and r.key.op is None]
         missing += [MissingKey(str(r.key), "cand") for r in self.C.rows
                     if self._wanted(r.key) and r.key not in self.R
+                    and (r.key.op is None or r.key.role == "shadow")
                     and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
         pairs = [(r, self.C.row(r.key)) for r in self.R.rows
-                 if self._wanted(r.key) and r.key in self.C]
+                 if self._wanted(r.key) and r.key in self.C and r.key.op is None]
+        ops, gops = None, {}
+        if any(r.key.op is not None for r in self.R.rows):
+            op_pairs, ops = align_captures(self.R, self.C, self._wanted)
+            pairs = sorted(pairs + op_pairs, key=lambda p: p[0].order)
+            if self.G is not None:
+                gops = {str(a.key): g for a, g in align_captures(self.R, self.G,
+                                                                 self._wanted)[0]}
+            if ops.one_sided:
+                n_ref = sum(o.only_in == "ref" for o in ops.one_sided)
+                self.notes.append(
+                    f"{len(ops.one_sided)} op calls on one side only ({n_ref} only in ref, "
+                    f"{len(ops.one_sided) - n_ref} only in cand): fused or absent there, not "
+                    f"errors; {ops.n_fused} fused regions compared by their final output")
         if not pairs and not missing:
             raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
                             f"(check --step / --include)")
@@ -364,7 +384,9 @@ class _Differ:
             if self.progress and n % 200 == 0:
                 self.progress(f"diff: {n}/{len(pairs)} records")
             grow = None
-            if self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
+            if self.G is not None and ra.key.op is not None:
+                grow = gops.get(str(ra.key)) if comparable(ra.key, glimits) else None
+            elif self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
                 grow = self.G.row(ra.key)
             rd, ls = self._compare(ra, ca, grow, shadows.get(str(ra.key)))
             stats_only += rd.basis == "stats"
@@ -385,14 +407,14 @@ class _Differ:
         return DiffResult(str(self.R.path), str(self.C.path),
                           str(self.G.path) if self.G is not None else None,
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
-                          skipped, tuple(self.notes), self.tol)
+                          skipped, tuple(self.notes), self.tol, ops)
 
     def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
                  shadow: IndexRow | None) -> tuple[RecordDiff, LogitsStep | None]:
         tol = self.tol.for_record(ra.key, (ra.dtype, ca.dtype) + self.compute)
         base = dict(key=ra.key, kind=ra.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
-                    tolerance=tol)
+                    tolerance=tol, cand_key=ca.key if ca.key != ra.key else None)
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
         if not (ra.has_data and ca.has_data):
