@@ -138,6 +138,14 @@ class Analysis:
     def __bool__(self) -> bool:
         return self.diff.within
 
+    @property
+    def culprit(self):
+        """Module + operator blamed, with evidence (accucheck.culprit.Culprit); None when
+        within tolerance."""
+        from accucheck.culprit import find_culprit  # culprit imports this module's types
+
+        return find_culprit(self)
+
 
 def analyze(ref: str | os.PathLike, cand: str | os.PathLike,
             golden: str | os.PathLike | None = None, *,

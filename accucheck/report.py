@@ -209,6 +209,10 @@ def to_json(a: Analysis) -> dict:
                    "first_flip": _flip_json(d.first_flip),
                    "flips": [_flip_json(f) for f in d.flips]},
         "golden": golden,
+        "culprit": a.culprit.as_dict() if a.culprit is not None else None,
+        "ops": ({"matches": [m.__dict__ for m in d.ops.matches],
+                 "one_sided": [o.__dict__ for o in d.ops.one_sided]}
+                if d.ops is not None else None),
     }
     return _clean(out)
 
@@ -258,6 +262,11 @@ def to_text(a: Analysis, md: bool = False) -> str:
                + (f", {d.skipped} skipped" if d.skipped else ""))
     for n in d.notes:
         out.append(f"NOTE: {n}")
+    culprit = a.culprit  # module + op with evidence (accucheck.culprit)
+    if culprit is not None:
+        from accucheck.culprit import culprit_lines
+
+        out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
     locs = {str(x.key): x for x in L.records}
     # worst records: introduced first, then by error relative to tolerance
     shown = []

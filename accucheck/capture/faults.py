@@ -9,6 +9,18 @@ the module's input), so it is removed cleanly and the weights are untouched. Imp
     act:silu_fast      recompute SiLU as x * sigmoid with sigmoid in float16 (an approximate
                        activation kernel); for act modules (mlp.act_fn)
     act:gelu_tanh      recompute GELU with the tanh approximation; for GELU act modules
+
+Op-level faults (inside `module`, every call of one operator computes differently; the fault
+acts at the dispatcher, below accucheck's op recorder, so an op-level capture sees one op with a
+faulty output, exactly like a faulty device kernel):
+
+    op:OP:bf16 / op:OP:fp16   OP runs on its floating inputs rounded to bfloat16 / float16 and
+                              its output is cast back (a reduced-precision kernel), e.g.
+                              op:aten.silu:fp16, op:aten._softmax:bf16, op:aten.mm:bf16
+    op:OP:tanh                OP (aten.gelu) with approximate="tanh" (another GELU approximation)
+    op:OP:scale:F             OP's output times F (e.g. a wrong epsilon / scale constant)
+
+OP is the operator with or without overload ("aten.mm" or "aten.mm.default").
 """
 from __future__ import annotations
 
@@ -20,7 +32,8 @@ from torch import nn
 
 from accucheck.errors import UserError
 
-FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "act:silu_fast", "act:gelu_tanh")
+FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "act:silu_fast", "act:gelu_tanh",
+          "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F")
 
 
 def _transform(fault: str, seed: int):
@@ -53,6 +66,10 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
     mods = dict(model.named_modules())
     if module not in mods:
         raise UserError(f"no module {module!r} in the model to plant a fault in")
+    if fault.startswith("op:"):
+        with _planted_op(mods[module], fault):
+            yield
+        return
     fn = _transform(fault, seed)
 
     def hook(_mod, args, out):
@@ -69,3 +86,71 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
         yield
     finally:
         handle.remove()
+
+
+def _op_fault(fault: str):
+    """(operator name, how) -> a function (func, args, kwargs) -> faulty output."""
+    _, op, how = (fault.split(":", 2) + ["", ""])[:3]
+    if not op or not how:
+        raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(how)
+    if low is not None:
+        def reduced(func, args, kwargs):
+            dt = [None]
+
+            def down(x):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    dt[0] = dt[0] or x.dtype
+                    return x.to(low)
+                if isinstance(x, (list, tuple)):
+                    return type(x)(down(v) for v in x)
+                return x
+            a = tuple(down(v) for v in args)
+            kw = {k: down(v) for k, v in kwargs.items()}
+            out = func(*a, **kw)
+            back = dt[0] or torch.float32
+            if isinstance(out, torch.Tensor):
+                return out.to(back) if out.is_floating_point() else out
+            return type(out)(o.to(back) if isinstance(o, torch.Tensor) and o.is_floating_point()
+                             else o for o in out)
+        return op, reduced
+    if how == "tanh":
+        return op, lambda func, args, kwargs: func(*args, **{**kwargs, "approximate": "tanh"})
+    if how.startswith("scale:"):
+        f = float(how.split(":", 1)[1])
+        return op, lambda func, args, kwargs: func(*args, **kwargs) * f
+    raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F")
+
+
+@contextmanager
+def _planted_op(mod: nn.Module, fault: str) -> Iterator[None]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op, fn = _op_fault(fault)
+    depth = [0]
+
+    def matches(func) -> bool:
+        name = str(func)
+        return name == op or name.rsplit(".", 1)[0] == op
+
+    class _FaultMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if depth[0] and matches(func):
+                return fn(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    def enter(_m, _a):
+        depth[0] += 1
+
+    def leave(_m, _a, _o):
+        depth[0] -= 1
+
+    handles = [mod.register_forward_pre_hook(enter, prepend=True),
+               mod.register_forward_hook(leave, always_call=True)]
+    try:
+        with _FaultMode():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
