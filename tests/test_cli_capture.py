@@ -1,0 +1,163 @@
+"""CLI: capture / inspect / tiny-model, and every bad input of issue 2 (one line, exit 3)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from accucheck.cli import main
+
+
+def run(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("accucheck: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_capture_and_inspect(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run.h5"
+    code, _, err = run(["capture", tiny_dir, "--prompt", "hello there", "--prompt", "fox",
+                        "--max-new-tokens", "2", "--store", "full", "-o", out], capsys)
+    assert code == 0, err
+    code, text, _ = run(["inspect", out, "--filter", "*layers.1*", "--step", "0"], capsys)
+    assert code == 0
+    assert "complete         yes" in text and "r1.s0:model.layers.1.mlp#0:out.0" in text
+    assert "r0.s1:" not in text
+    code, text, _ = run(["inspect", out, "--format", "json", "--limit", "3"], capsys)
+    info = json.loads(text)
+    assert info["complete"] and len(info["record_list"]) == 3 and info["dtype"] == "float32"
+
+
+def test_prompts_file_text_and_jsonl(tiny_dir, tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "first prompt"}\n{"text": "second prompt"}\n')
+    for name in ("p.txt", "p.jsonl"):
+        code, _, err = run(["capture", tiny_dir, "--prompts", tmp_path / name,
+                            "-o", tmp_path / f"{name}.h5"], capsys)
+        assert code == 0, err
+    from accucheck.store import open_capture
+
+    with open_capture(tmp_path / "p.txt.h5") as a, open_capture(tmp_path / "p.jsonl.h5") as b:
+        assert [r.prompt for r in a.requests] == ["first prompt", "second prompt"]
+        assert [r.prompt for r in b.requests] == ["first prompt", "second prompt"]
+
+
+@pytest.mark.parametrize("case", [
+    "missing_dir", "not_a_model", "npu_without_torch_npu", "cuda_without_gpu", "output_exists",
+    "empty_prompts", "malformed_jsonl", "unknown_dtype", "unknown_mode", "tokens_from_other_model",
+    "tokens_from_missing", "no_prompts",
+])
+def test_bad_input_is_one_line_exit_3(case, tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out.h5"
+    base = ["capture", tiny_dir, "--prompt", "hi", "-o", out]
+    precious = None
+    if case == "missing_dir":
+        args, msg = ["capture", tmp_path / "nope", "--prompt", "hi", "-o", out], "does not exist"
+    elif case == "not_a_model":
+        (tmp_path / "empty").mkdir()
+        args, msg = ["capture", tmp_path / "empty", "--prompt", "hi", "-o", out], "no config.json"
+    elif case == "npu_without_torch_npu":
+        args, msg = base + ["--device", "npu"], "torch_npu"
+    elif case == "cuda_without_gpu":
+        args, msg = base + ["--device", "cuda:0"], "no CUDA GPU"
+    elif case == "output_exists":
+        out.write_bytes(b"keep me")
+        precious = b"keep me"
+        args, msg = base, "--force"
+    elif case == "empty_prompts":
+        (tmp_path / "p.txt").write_text("\n\n")
+        args, msg = ["capture", tiny_dir, "--prompts", tmp_path / "p.txt", "-o", out], "empty"
+    elif case == "malformed_jsonl":
+        (tmp_path / "p.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
+        args, msg = ["capture", tiny_dir, "--prompts", tmp_path / "p.jsonl", "-o", out], "p.jsonl:2"
+    elif case == "unknown_dtype":
+        args, msg = base + ["--dtype", "float8"], "unknown dtype"
+    elif case == "unknown_mode":
+        args, msg = base + ["--mode", "turbo"], "unknown mode"
+    elif case == "tokens_from_other_model":
+        from accucheck.capture.tiny import write_tiny_model
+
+        other = write_tiny_model(tmp_path / "other", seed=0, num_hidden_layers=1)
+        code, _, err = run(["capture", other, "--prompt", "hi", "-o", tmp_path / "o.h5"], capsys)
+        assert code == 0, err
+        args, msg = base + ["--tokens-from", tmp_path / "o.h5"], "another model"
+    elif case == "tokens_from_missing":
+        args, msg = base + ["--tokens-from", tmp_path / "none.h5"], "no such capture"
+    else:
+        args, msg = ["capture", tiny_dir, "-o", out], "no prompts"
+    code, _, err = run(args, capsys)
+    assert code == 3, err
+    assert msg in one_line_error(err)
+    if precious is not None:
+        assert out.read_bytes() == precious
+    else:
+        assert not out.exists()
+
+
+def test_usage_error_exits_2(capsys):
+    code, _, _ = run(["capture"], capsys)
+    assert code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_capture_is_marked_incomplete(sig, tiny_dir, tmp_path, capsys):
+    out = tmp_path / "killed.h5"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "accucheck", "capture", str(tiny_dir), "--prompt", "a long run",
+         "--max-new-tokens", "100000", "--store", "full", "-o", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if out.exists() and out.stat().st_size > 100_000:  # past the first flushes
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("capture never started writing")
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 3, err
+    assert "incomplete" in one_line_error(err)
+    code, text, err = run(["inspect", out], capsys)
+    assert code == 3
+    assert "INCOMPLETE" in text and "incomplete" in one_line_error(err)
+    code, _, err = run(["diff", out, out], capsys)
+    assert code == 3 and "incomplete" in one_line_error(err)
+
+
+def test_tiny_model_command_refuses_non_empty_dir(tmp_path, capsys):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "mine.txt").write_text("x")
+    code, _, err = run(["tiny-model", d], capsys)
+    assert code == 3 and "not empty" in one_line_error(err)
+    code, _, err = run(["tiny-model", tmp_path / "fresh", "--seed", "3"], capsys)
+    assert code == 0 and (tmp_path / "fresh" / "model.safetensors").is_file()
+
+
+def test_list_modules(tiny_dir, capsys):
+    code, out, _ = run(["capture", tiny_dir, "-o", "unused.h5", "--list-modules",
+                        "--exclude", "*.mlp"], capsys)
+    assert code == 0
+    mods = out.split()
+    assert "model.layers.3.self_attn" in mods and "model.layers.3.mlp" not in mods
+    assert not os.path.exists("unused.h5")
