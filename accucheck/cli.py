@@ -104,7 +104,15 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
               help="greedy decode steps after the prefill (step 0)")
 @click.option("--include", multiple=True, help="glob on module paths (replaces the default set)")
 @click.option("--exclude", multiple=True, help="glob on module paths to leave out")
-@click.option("--inputs", "record_inputs", is_flag=True, help="also record module inputs")
+@click.option("--inputs", "record_inputs", is_flag=True,
+              help="also record module inputs (and op inputs at --level op)")
+@click.option("--level", type=click.Choice(["module", "op"]), default="module",
+              show_default=True,
+              help="op: also every operator inside the selected modules (eager mode only)")
+@click.option("--shadow", type=click.Path(dir_okay=False),
+              help="reference capture (--store full --inputs): replay every selected module "
+                   "(and op) on its recorded inputs here, stored as role 'shadow' (local error); "
+                   "implies --tokens-from it")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--deterministic", is_flag=True, help="deterministic algorithms (slower)")
 @click.option("--tokens-from", type=click.Path(dir_okay=False),
@@ -118,7 +126,8 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="overwrite the output file")
 def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
-            compression, compile_backend, engine_args, trust_remote_code, list_modules, force):
+            compression, compile_backend, engine_args, trust_remote_code, list_modules, force,
+            level="module", shadow=None):
     """Run MODEL (a local Hugging Face directory, or @tiny for the built-in tiny Llama) on the
     prompts and write one HDF5 capture."""
     from accucheck.capture.api import CaptureOptions
@@ -127,7 +136,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           max_new_tokens=max_new_tokens, include=tuple(include),
                           exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
                           deterministic=deterministic, tokens_from=tokens_from,
-                          compression=compression, compile_backend=compile_backend, force=force)
+                          compression=compression, compile_backend=compile_backend, force=force,
+                          level=level, shadow=shadow)
     model_dir = _model_dir(model)
     if list_modules:
         from accucheck.capture.api import list_modules as lm
@@ -272,6 +282,27 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
                          out_dir=out, force=force, progress=log)
     click.echo(result.summary)
     err(f"report: {out / 'report.md'}, {out / 'report.html'}, {out / 'report.json'}")
+    return result.exit_code
+
+
+@cli.command()
+@click.argument("ref", type=click.Path(dir_okay=False))
+@click.option("--op", "ops", multiple=True, metavar="KEY|GLOB",
+              help="op call, record key or glob (e.g. '*layers.1.mlp*/aten.silu*'); repeatable; "
+                   "default: every op (up to --limit)")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:i] or npu[:i]")
+@click.option("--golden/--no-golden", default=True, show_default=True,
+              help="also run each op in float64 on the CPU and referee the two devices")
+@click.option("--limit", type=int, default=50, show_default=True, help="at most this many ops")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def replay(ref, ops, device, golden, limit, fmt):
+    """Re-run recorded operators of REF (--level op --store full --inputs) on their recorded
+    inputs on this device (and in float64): is this device or the reference device further from
+    the truth? Exit 1 when an op computes further from float64 here than on REF's device."""
+    from accucheck.replay import render, replay_ops
+
+    result = replay_ops(ref, ops, device=device, golden=golden, limit=limit)
+    click.echo(render(result, fmt), nl=False)
     return result.exit_code
 
 
