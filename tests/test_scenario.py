@@ -1,0 +1,149 @@
+"""Scenario files: typed loading, defaults, relative paths, and errors that name the key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accucheck.errors import EXIT_BAD_INPUT, UserError
+from accucheck.scenario import (TINY, Fault, load_scenario, scenario_from_dict, with_captures)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "scenarios").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def test_shipped_scenarios_load():
+    names = {p.name for p in SHIPPED}
+    assert {"tiny-identical.toml", "tiny-planted-fault.toml", "tiny-near-tie.toml",
+            "template-real-model.toml"} <= names
+    for p in SHIPPED:
+        s = load_scenario(p)
+        assert s.name and s.prompts and s.path == p.resolve()
+    fault = load_scenario(ROOT / "scenarios/tiny-planted-fault.toml")
+    assert fault.candidate.fault == Fault("model.layers.2.post_attention_layernorm", "bf16")
+    assert fault.golden is not None and fault.golden.dtype == "float64"
+    assert fault.model == TINY and fault.reference.fault is None
+    real = load_scenario(ROOT / "scenarios/template-real-model.toml")
+    assert real.reference.device == "cuda:0" and real.candidate.device == "npu:0"
+    assert real.candidate.runner == "vllm" and real.candidate.dtype == "bfloat16"
+    assert len(real.prompts) == 8  # from prompts/release-signoff.jsonl, relative to the file
+
+
+def test_defaults_flow_into_runs_and_runs_override(tmp_path):
+    s = load_scenario(write(tmp_path, """
+prompts = ["a"]
+dtype = "bf16"
+device = "cpu"
+store = "stats"
+[candidate]
+dtype = "float16"
+teacher_forcing = false
+[thresholds]
+logits_kl = 1
+near_tie_flips = 2
+[thresholds.tolerances]
+"*.mlp" = "rel_l2:1e-3"
+"model.norm" = 0.01
+"""))
+    assert s.name == "s" and s.max_new_tokens == 4 and s.golden is None
+    assert (s.reference.dtype, s.reference.store) == ("bfloat16", "stats")
+    assert (s.candidate.dtype, s.candidate.store) == ("float16", "stats")
+    assert s.candidate.teacher_forcing is False
+    assert s.thresholds.logits_kl == 1.0 and s.thresholds.near_tie_flips == 2
+    table = s.thresholds.tolerance_table()
+    assert [p for p, _ in table.overrides] == ["*.mlp", "model.norm"]
+
+
+def test_paths_are_relative_to_the_scenario_file(tmp_path, monkeypatch):
+    d = tmp_path / "sc"
+    d.mkdir()
+    (d / "p.txt").write_text("first prompt\nsecond prompt\n")
+    (d / "ref.h5").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)  # somewhere else
+    s = load_scenario(write(d, """
+model = "models/m"
+prompts = ["inline"]
+prompts_file = "p.txt"
+[reference]
+capture = "ref.h5"
+"""))
+    assert s.prompts == ("inline", "first prompt", "second prompt")
+    assert s.model == str((d / "models/m").resolve())
+    assert s.reference.capture == (d / "ref.h5").resolve()
+    assert s.reference.label == "capture ref.h5"
+
+
+@pytest.mark.parametrize("text,named", [
+    ("prompts = ['a']\nmax_new_token = 3\n", "'max_new_token'"),
+    ("[thresholds]\nkl_max = 1e-3\n", "thresholds.'kl_max'"),
+    ("[candidate]\ndevcie = 'cpu'\n", "candidate.'devcie'"),
+    ("[candidate]\nfault = {module = 'm', kind = 'bf16', when = 1}\n", "candidate.fault.'when'"),
+    ("[referense]\n", "'referense'"),
+])
+def test_unknown_keys_are_named(tmp_path, text, named):
+    p = write(tmp_path, text)
+    with pytest.raises(UserError) as e:
+        load_scenario(p)
+    assert named in str(e.value) and str(p) in str(e.value)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+@pytest.mark.parametrize("text,named", [
+    ("max_new_tokens = 'four'\n", "max_new_tokens must be an integer"),
+    ("max_new_tokens = -1\n", "max_new_tokens must be >= 0"),
+    ("dtype = 'float8'\n", "dtype must be one of"),
+    ("mode = 'fast'\n", "mode must be one of"),
+    ("runner = 'onnx'\n", "runner must be one of"),
+    ("device = 'tpu'\n", "unknown device"),
+    ("[thresholds]\nlayer_cosine = 2\n", "thresholds.layer_cosine must be a number in"),
+    ("[thresholds]\nnear_tie_flips = true\n", "thresholds.near_tie_flips must be an integer"),
+    ("[thresholds.tolerances]\n'*.mlp' = 'fast'\n", "thresholds.tolerances"),
+    ("[reference]\nfault = {module = 'm', kind = 'bf16'}\n", "reference.fault"),
+    ("[reference]\nteacher_forcing = false\n", "reference.teacher_forcing"),
+    ("[candidate]\nengine_args = {x = 1}\n", "candidate.engine_args"),
+    ("[candidate]\ncapture = 'nope.h5'\n", "candidate.capture"),
+    ("previous = 'nope.json'\n", "previous"),
+    ("prompts = 'one'\n", "prompts must be a list"),
+])
+def test_bad_values_are_named(tmp_path, text, named):
+    with pytest.raises(UserError) as e:
+        load_scenario(write(tmp_path, text))
+    assert named in str(e.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_scenario(write(tmp_path, "prompts = [\n"))
+    with pytest.raises(UserError, match="does not exist"):
+        load_scenario(tmp_path / "missing.toml")
+
+
+def test_with_captures_replaces_runs(tmp_path):
+    ref = tmp_path / "r.h5"
+    ref.write_bytes(b"x")
+    s = scenario_from_dict({"prompts": ["a"], "candidate": {"fault": {"module": "m",
+                                                                      "kind": "bf16"}}})
+    s2 = with_captures(s, reference=ref, candidate=None)
+    assert s2.reference.capture == ref.resolve() and s2.candidate.capture is None
+    s3 = with_captures(s, candidate=ref)
+    assert s3.candidate.fault is None  # a given capture is what it is
+    with pytest.raises(UserError, match="--cand"):
+        with_captures(s, candidate=tmp_path / "missing.h5")
+
+
+def test_cli_unknown_key_exits_3_naming_it(tmp_path):
+    p = write(tmp_path, "prompts = ['a']\n[thresholds]\nlogit_kl = 1e-3\n")
+    r = subprocess.run([sys.executable, "-m", "accucheck", "signoff", str(p), "-o",
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "thresholds.'logit_kl'" in lines[0] and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
