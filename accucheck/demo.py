@@ -18,8 +18,8 @@ DEMO_STEPS = 4
 
 def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
              log: Callable[[str], None]) -> int:
-    """Write ref.h5 / cand.h5 into out_dir and echo the comparison. Returns the diff's exit code
-    (1: the planted divergence was found, as expected)."""
+    """Write ref.h5 / cand.h5 into out_dir and echo the comparison. Returns 0 when the diff
+    names the planted module as where divergence starts, 1 otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from accucheck.capture.api import CaptureOptions, capture_model
@@ -44,9 +44,14 @@ def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
         capture_model(model, list(DEMO_PROMPTS), cand, tokenizer=tok, store="full",
                       max_new_tokens=DEMO_STEPS, tokens_from=str(ref), force=force,
                       meta_extra={"model_path": str(mdir), "planted_fault": f"{fault} @ {module}"})
-    from accucheck.inspect import RecordFilter, render
-    from accucheck.store import open_capture
+    from accucheck.locate import analyze
+    from accucheck.report import render
 
-    with open_capture(cand) as r:
-        echo(render(r, RecordFilter(pattern="r0.s0:*"), "table"))
-    return 0
+    log(f"accucheck diff {ref} {cand}")
+    analysis = analyze(ref, cand)
+    echo(render(analysis, "table"))
+    fd = analysis.location.first_divergence
+    found = fd is not None and fd.key.module == module
+    log(("PASS demo: " if found else "FAIL demo: ") + f"planted {fault} in {module}; the diff "
+        + (f"names {fd.key.module} ({fd.cause})" if fd else "found no divergence"))
+    return 0 if found else 1
