@@ -44,6 +44,14 @@ from accucheck.keys import clean_slot
 from accucheck.store import CaptureReader, CaptureWriter, open_capture
 
 
+def _no_dispatch_modes():
+    """Statistics and copies run below every Python dispatch mode (op recorder, op faults):
+    they are not ops of the model, and the modes' per-op Python overhead is skipped."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 class ShadowSource:
     """A reference capture opened for shadow replay: where its recorded inputs are.
 
@@ -181,6 +189,8 @@ class ShadowRecorder(Recorder):
         self._calls: dict[str, int] = {}
         self._last_call: dict[str, int] = {}
         self.shadow_counts = {"replayed": 0, "skipped": 0, "skipped_why": {}}
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_cache: dict[tuple, tuple] = {}
 
     # -- pausing -------------------------------------------------------------------------
     @contextmanager
@@ -197,7 +207,7 @@ class ShadowRecorder(Recorder):
         def hook(*args):
             if self._pause:
                 return None
-            with self.paused():  # its statistics are not ops of the model
+            with self.paused(), _no_dispatch_modes():  # its statistics are not model ops
                 return inner(*args)
         return hook
 
@@ -261,9 +271,20 @@ class ShadowRecorder(Recorder):
              kind: str = "module") -> _Pending:
         """A record with its key parts fixed now (statistics on the device, copy to the host
         in full mode)."""
-        with self.paused():
+        ck = None
+        if self._param_ptrs and t.untyped_storage().data_ptr() in self._param_ptrs:
+            # a weight (or a view of one, e.g. mm's transposed weight): same every call
+            ck = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                  tuple(t.stride()), t.dtype)
+            hit = self._param_cache.get(ck)
+            if hit is not None:
+                return _Pending(module, role, slot, kind, None, hit[0], hit[1], hit[2],
+                                tuple(t.shape), op, op_index, call, extra)
+        with self.paused(), _no_dispatch_modes():
             host, dtype = to_host(t) if self.full else (None, str(t.dtype).replace("torch.", ""))
             stats = tensor_stats(t)
+        if ck is not None:
+            self._param_cache[ck] = (stats, host, dtype)
         return _Pending(module, role, slot, kind, None, stats, host, dtype,
                         tuple(t.shape), op, op_index, call, extra)
 
