@@ -440,7 +440,9 @@ class _Differ:
                 m = np.isfinite(a64) & np.isfinite(b64) & np.isfinite(g)
                 if not m.all():
                     a64, b64, g = a64[m], b64[m], g[m]
-                gsum += (np.dot(a64 - g, a64 - g), np.dot(b64 - g, b64 - g), np.dot(g, g))
+                ea, eb = a64 - g, b64 - g
+                gsum += (np.einsum("i,i->", ea, ea), np.einsum("i,i->", eb, eb),
+                         np.einsum("i,i->", g, g))  # no BLAS: see metrics._dot
             if is_logits:
                 positions.extend(_logit_positions(a, b, len(positions)))
         metrics = acc.result()
