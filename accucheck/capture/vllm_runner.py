@@ -84,7 +84,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         if int(engine_kwargs.get(key, 1) or 1) > 1:
             raise UserError(f"{key}={engine_kwargs[key]} is not supported by the vLLM capture "
                             f"(records come from one rank): use tensor_parallel_size only")
-    if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != (opts.mode == "eager"):
+    eager = opts.mode == "eager"
+    if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
         raise UserError(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts --mode "
                         f"{opts.mode}: drop enforce_eager, --mode sets it")
     for key, want in _FORCED_ENGINE.items():
@@ -246,7 +247,8 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
     kw["enforce_eager"] = opts.mode == "eager"
     if int(kw["max_num_batched_tokens"]) < longest:
         raise UserError(f"max_num_batched_tokens={kw['max_num_batched_tokens']} is below the "
-                        f"longest prompt ({longest} tokens): the prefill would be chunked; raise it")
+                        f"longest prompt ({longest} tokens): the prefill would be chunked; "
+                        f"raise it")
     if forcing:
         kw["logits_processors"] = list(kw.get("logits_processors") or []) + [plugin.ForceTokens]
     return kw
@@ -341,7 +343,7 @@ def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced,
         logits = _step_logits(o, len(ids), n_new, vocab)
         for step in range(n_new + 1):
             for rec in sorted(by_step.pop((r, step), []), key=lambda x: x.order):
-                writer.add(RecordKey(r, step, rec.module, 0, rec.role, rec.slot), "module",
+                writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, rec.slot), "module",
                            rec.dtype, rec.shape, rec.stats, rec.checksum, rec.data)
             lg = logits[step]
             [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
