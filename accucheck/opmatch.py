@@ -18,7 +18,8 @@ Instead:
 4. Everything else is on one side only: listed as "fused / absent", never as an error.
 
 `align_captures(ref, cand)` -> `(pairs, OpAlignment)`: pairs of index rows (same role and slot,
-"out" and "in") to compare, and the alignment (matches, one-side ops, call sites) for reports.
+"out" and "in"; only "out" for a fused pair, whose inputs follow another signature) to compare,
+and the alignment (matches, one-side ops, call sites) for reports.
 """
 from __future__ import annotations
 
@@ -219,7 +220,9 @@ def align_captures(ref: CaptureReader, cand: CaptureReader,
             hit_b.add(j)
             x, y = a[i], b[j]
             matches.append(OpMatch(x.ident, y.ident, kind))
-            for role_a, role_b in ((x.outs, y.outs), (x.ins, y.ins)):
+            # a fused kernel's inputs follow another signature: only its output compares
+            roles = ((x.outs, y.outs),) if kind == "fused" else ((x.outs, y.outs), (x.ins, y.ins))
+            for role_a, role_b in roles:
                 by_slot = {r.key.slot: r for r in role_b}
                 pairs += [(r, by_slot[r.key.slot]) for r in role_a if r.key.slot in by_slot]
         one += [OneSided(c.ident, "ref", c.site) for i, c in enumerate(a) if i not in hit_a]
