@@ -241,13 +241,22 @@ class CaptureWriter:
         self.close(complete=exc_type is None)
 
 
+def _split_axis(shape: tuple[int, ...], max_elems: int) -> tuple[int, int]:
+    """(k, step): blocks of at most `max_elems` elements in C order are `step` indices of axis k
+    with every later axis whole, one block per index of the axes before k."""
+    k = 0
+    while k < len(shape) - 1 and int(np.prod(shape[k + 1:])) > max_elems:
+        k += 1
+    inner = int(np.prod(shape[k + 1:])) if k + 1 < len(shape) else 1
+    return k, max(1, min(shape[k], max_elems // max(inner, 1)))
+
+
 def _chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = 1 << 20) -> tuple[int, ...]:
-    """Chunks of about `target` bytes, split along the leading axis."""
+    """HDF5 chunks of about `target` bytes, shaped like the blocks `iter_chunks` reads."""
     if not shape:
         return ()
-    row = max(1, int(np.prod(shape[1:])) * itemsize)
-    lead = max(1, min(shape[0], target // row))
-    return (lead,) + tuple(shape[1:])
+    k, step = _split_axis(shape, max(1, target // itemsize))
+    return (1,) * k + (step,) + tuple(shape[k + 1:])
 
 
 class CaptureReader:
@@ -332,10 +341,10 @@ class CaptureReader:
         if ds.ndim == 0:
             yield self._decode(np.asarray(ds[()]).reshape(1), row.dtype)
             return
-        per_row = max(1, int(np.prod(ds.shape[1:])))
-        step = max(1, max_elems // per_row)
-        for i in range(0, ds.shape[0], step):
-            yield self._decode(ds[i:i + step], row.dtype).reshape(-1)
+        k, step = _split_axis(ds.shape, max_elems)
+        for idx in np.ndindex(*ds.shape[:k]):
+            for i in range(0, ds.shape[k], step):
+                yield self._decode(ds[idx + (slice(i, i + step),)], row.dtype).reshape(-1)
 
     @staticmethod
     def _decode(arr: np.ndarray, dtype: str) -> np.ndarray:

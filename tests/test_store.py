@@ -133,6 +133,17 @@ def test_iter_chunks_bounded_and_complete(tmp_path):
     np.testing.assert_array_equal(np.concatenate(chunks), t.numpy().ravel())
 
 
+def test_iter_chunks_splits_inside_rows(tmp_path):
+    t = torch.arange(2 * 3 * 50, dtype=torch.float32).reshape(2, 3, 50)  # [1, T, H]-like rows
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        _add(w, "m", t)
+    with open_capture(tmp_path / "a.h5") as r:
+        for cap in (7, 50, 64, 160):
+            chunks = list(r.iter_chunks(_key("m"), max_elems=cap))
+            assert max(c.size for c in chunks) <= cap
+            np.testing.assert_array_equal(np.concatenate(chunks), t.numpy().ravel())
+
+
 def test_record_key_round_trip():
     for k in (RecordKey(1, 3, "model.layers.10.mlp", 2, "in", "hidden_states"),
               RecordKey(0, 0, "logits", 0, "out", "0"),
