@@ -209,3 +209,31 @@ def test_missing_capture_is_bad_input(tmp_path):
     with pytest.raises(UserError) as e:
         signoff(SCN / "tiny-identical.toml", ref=tmp_path / "nope.h5", out_dir=tmp_path / "o")
     assert e.value.exit_code == 3 and "--ref" in str(e.value)
+
+
+@pytest.mark.slow
+def test_capture_only_writes_one_run(tmp_path, capsys):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main(["signoff", str(SCN / "tiny-identical.toml"), "--capture-only", "reference", "-o",
+              str(out), "-q"])
+    assert e.value.code == 0
+    p = Path(capsys.readouterr().out.strip())
+    assert p == out / "captures" / "reference.h5" and p.is_file()
+    assert not (out / "report.json").exists() and not (out / "captures/candidate.h5").exists()
+
+
+@pytest.mark.slow
+def test_judging_given_captures_needs_no_torch(identical, tmp_path):
+    import subprocess
+    import sys
+
+    res, _, _ = identical
+    code = (f"import sys\nfrom accucheck.signoff import signoff\n"
+            f"r = signoff({str(SCN / 'tiny-identical.toml')!r}, ref={res.ref_path!r}, "
+            f"cand={res.cand_path!r}, out_dir={str(tmp_path / 'o')!r})\n"
+            f"assert r.passed\n"
+            f"bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            f"assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
