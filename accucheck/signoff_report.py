@@ -428,7 +428,8 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     if s.description:
         b.append(f"<p>{_e(s.description)}</p>")
     b.append('<p class="small mono">reference: ' + _e(r.ref_path) + "<br>candidate: "
-             + _e(r.cand_path + _forced(r)) + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
+             + _e(r.cand_path + _forced(r))
+             + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
              + "</p>")
     head, rows = check_rows(r)
     b += ["<h2>Checks</h2>", _html_table(head, rows, cell_class=lambda j, c: c if j == 0 else "")]

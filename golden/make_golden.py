@@ -37,8 +37,9 @@ SEED = 0
 def capture_options(store: str, max_new_tokens: int, *, force: bool = False, **kw):
     from accucheck.capture.api import CaptureOptions
 
-    return CaptureOptions(device="cpu", dtype="float32", mode="eager", store=store, compression="gzip",
-                          max_new_tokens=max_new_tokens, seed=SEED, force=force, **kw)
+    return CaptureOptions(device="cpu", dtype="float32", mode="eager", store=store,
+                          compression="gzip", max_new_tokens=max_new_tokens, seed=SEED,
+                          force=force, **kw)
 
 
 def load_tiny():
