@@ -1,0 +1,66 @@
+"""`accucheck replay`: recorded ops re-run from the file here and in float64 (per-op referee)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from accucheck.capture.api import capture_model
+from accucheck.capture.faults import planted
+from accucheck.cli import main
+from accucheck.errors import UserError
+from accucheck.replay import replay_ops
+
+PROMPT = ["The quick brown fox"]
+SILU = "*s0:model.layers.1.mlp#0/aten.silu*"
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny, tmp_path_factory):
+    """A capture made on a 'device' whose layer-1 SiLU kernel computes in float16."""
+    model, tok = tiny
+    path = tmp_path_factory.mktemp("replay") / "npu.h5"
+    with planted(model, "model.layers.1.mlp", "op:aten.silu:fp16"):
+        capture_model(model, PROMPT, path, tokenizer=tok, level="op", store="full",
+                      record_inputs=True,
+                      include=("model.layers.1.mlp", "model.layers.1.input_layernorm"))
+    return path
+
+
+def test_referee_says_the_recorded_device_is_worse(faulty):
+    r = replay_ops(faulty, [SILU])
+    (o,) = r.ops
+    assert o.ran and o.label == "ref worse"
+    assert o.ref_vs_golden > 1e-4 and o.here_vs_golden < 1e-6
+    assert o.here_vs_recorded == pytest.approx(o.ref_vs_golden, rel=0.01)
+    assert r  # this device is not worse
+
+
+def test_healthy_ops_replay_bit_exact_or_within_noise(faulty):
+    r = replay_ops(faulty, ["*s0:model.layers.1.input_layernorm#0/*",
+                            "*s0:model.layers.1.mlp#0/aten.mm*"])
+    assert len(r.ops) == 6 + 3
+    for o in r.ops:
+        assert o.ran and o.label == "both within noise", o
+        assert o.here_vs_recorded < 1e-6
+    # the elementwise ops are deterministic: bit-identical replay
+    assert [o.here_vs_recorded for o in r.ops[:6]] == [0.0] * 6
+
+
+def test_cli_replay(faulty, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(faulty), "--op", SILU, "--format", "json"])
+    assert e.value.code == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["verdict"] == "pass" and j["ops"][0]["label"] == "ref worse"
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(faulty), "--op", "*nothing*"])
+    assert e.value.code == 3
+    assert "matches" in capsys.readouterr().err
+
+
+def test_replay_needs_op_records(tiny, tmp_path):
+    model, tok = tiny
+    capture_model(model, PROMPT, tmp_path / "m.h5", tokenizer=tok, store="full")
+    with pytest.raises(UserError, match="--level op"):
+        replay_ops(tmp_path / "m.h5")
