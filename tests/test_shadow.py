@@ -104,3 +104,23 @@ def test_shadow_needs_a_full_reference_with_inputs(tiny, tmp_path):
     with pytest.raises(UserError, match="--inputs"):
         capture_model(model, PROMPT, tmp_path / "c2.h5", tokenizer=tok,
                       shadow=str(tmp_path / "f.h5"))
+
+
+def test_cli_capture_level_op_with_shadow_then_diff(tiny_dir, tmp_path, capsys):
+    from accucheck.cli import main
+
+    base = ["capture", str(tiny_dir), "--prompt", PROMPT[0], "--level", "op", "--store",
+            "full", "--include", "model.layers.0.mlp"]
+    for argv in (base + ["-o", str(tmp_path / "r.h5"), "--inputs"],
+                 base + ["-o", str(tmp_path / "c.h5"), "--shadow", str(tmp_path / "r.h5")]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    with open_capture(tmp_path / "c.h5") as c:
+        assert "r0.s0:model.layers.0.mlp#0/aten.silu.default@1:shadow.0" in c
+        assert c.meta["options"]["shadow"] == str(tmp_path / "r.h5")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["diff", str(tmp_path / "r.h5"), str(tmp_path / "c.h5")])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("PASS")
