@@ -31,40 +31,6 @@ def cli() -> None:
     divergence starts and who is wrong, sign off a release."""
 
 
-def read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[str]:
-    """--prompt values, then the lines of --prompts FILE (plain text, one prompt a line, or
-    JSONL with a "prompt" / "text" field or a JSON string per line)."""
-    out = list(prompts)
-    if prompts_file:
-        p = Path(prompts_file)
-        if not p.is_file():
-            raise UserError(f"prompts file {p} does not exist")
-        try:
-            lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        except UnicodeDecodeError:
-            raise UserError(f"prompts file {p} is not UTF-8 text") from None
-        if not lines:
-            raise UserError(f"prompts file {p} is empty: one prompt per line, or JSONL")
-        jsonl = p.suffix == ".jsonl" or lines[0].lstrip().startswith(("{", '"'))
-        for i, ln in enumerate(lines, 1):
-            if not jsonl:
-                out.append(ln)
-                continue
-            try:
-                obj = json.loads(ln)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{i}: not valid JSON ({e.msg}); JSONL needs one JSON "
-                                f"object per line") from None
-            text = obj if isinstance(obj, str) else (
-                obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None)
-            if not isinstance(text, str) or not text:
-                raise UserError(f"{p}:{i}: no \"prompt\" or \"text\" string in this line")
-            out.append(text)
-    if not out:
-        raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
-    return out
-
-
 def _model_dir(model: str) -> Path:
     if model == TINY:
         from accucheck.capture.tiny import tiny_model_dir
@@ -148,6 +114,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                               trust_remote_code=trust_remote_code)
         click.echo("\n".join(lm(m, include, exclude)))
         return 0
+    from accucheck.prompts import read_prompts
+
     plist = read_prompts(prompts, prompts_file)
     err(f"capturing {model_dir} on {device} ({dtype}, {mode}, store {store}) "
         f"for {len(plist)} prompt(s), {max_new_tokens} decode step(s) -> {out}")
@@ -155,7 +123,10 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
         if runner == "vllm":
             from accucheck.capture.vllm_runner import capture_vllm
 
-            path = capture_vllm(model_dir, plist, out, opts, _engine_args(engine_args))
+            engine = _engine_args(engine_args)
+            if trust_remote_code:
+                engine["trust_remote_code"] = True
+            path = capture_vllm(model_dir, plist, out, opts, engine)
         else:
             if engine_args:
                 raise UserError("--engine-arg is for --runner vllm")

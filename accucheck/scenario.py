@@ -381,7 +381,7 @@ def _thresholds(t: dict, src: str) -> Thresholds:
 
 
 def _read_prompts_file(p: Path, src: str) -> list[str]:
-    from accucheck.cli import read_prompts  # the one prompts-file reader (text or JSONL)
+    from accucheck.prompts import read_prompts  # the one prompts-file reader (text or JSONL)
 
     try:
         return read_prompts((), str(p))

@@ -82,7 +82,7 @@ class CaptureOptions:
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
                 opts: CaptureOptions, *, trust_remote_code: bool = False) -> Path:
     """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture."""
-    _check_out(out, opts.force)
+    check_output_path(out, opts.force)
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
     dtype = parse_dtype(opts.dtype or "float32")
@@ -104,15 +104,15 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     UserError for bad input; a capture interrupted midway leaves a file marked incomplete.
     """
     opts = opts or CaptureOptions(**kwargs)
-    _check_out(out, opts.force)
+    check_output_path(out, opts.force)
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
     model = _on(model, tdev, parse_dtype(opts.dtype) if opts.dtype else None)
     dtype_name = _dtype_name(next(model.parameters()).dtype)
     causal = is_causal_lm(model)
-    prompt_ids = _prompt_ids(prompts, tokenizer)
+    prompt_ids = tokenize_prompts(prompts, tokenizer)
     tokens_from = opts.tokens_from or opts.shadow
-    forced = _forced_tokens(tokens_from, model, prompt_ids, prompts, tokenizer,
+    forced = forced_tokens(tokens_from, model, prompt_ids, prompts, tokenizer,
                             opts.max_new_tokens) if tokens_from else None
     if forced is not None:
         prompt_ids = [f[0] for f in forced]
@@ -143,7 +143,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     recorder = _recorder(model, writer, modules, opts)
     complete = False
     try:
-        with _sigterm_as_interrupt(), recorder.hooks():
+        with sigterm_as_interrupt(), recorder.hooks():
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
             forward = torch.compile(model, backend=backend, dynamic=True) \
                 if opts.mode == "graph" else model
@@ -196,7 +196,7 @@ def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _check_out(out: str | Path, force: bool) -> None:
+def check_output_path(out: str | Path, force: bool) -> None:
     p = Path(out)
     if p.exists() and not force:
         raise UserError(f"{p} exists: choose another -o or pass --force to overwrite it")
@@ -219,7 +219,7 @@ def _on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn
     return m.to(device=device, dtype=dtype).eval() if dtype else m.to(device).eval()
 
 
-def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
+def tokenize_prompts(prompts, tokenizer) -> list[list[int]]:
     if not prompts:
         raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
     out = []
@@ -236,7 +236,7 @@ def _prompt_ids(prompts, tokenizer) -> list[list[int]]:
     return out
 
 
-def _forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
+def forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
     """(prompt_ids, generated_ids) per request from a reference capture, after checking it
     was made with the same model architecture and tokenizer."""
     with open_capture(path) as ref:
@@ -288,7 +288,7 @@ def _config_dict(model: nn.Module) -> dict | None:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """A `kill` (SIGTERM) during capture ends it like Ctrl-C: the file is closed, incomplete."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -25,8 +25,8 @@ import numpy as np
 
 import accucheck
 from accucheck.capture import device as dev
-from accucheck.capture.api import (CaptureOptions, _check_out, _forced_tokens, _prompt_ids,
-                                   _sigterm_as_interrupt)
+from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
+                                   sigterm_as_interrupt, tokenize_prompts)
 from accucheck.capture.hf import config_hash, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -67,7 +67,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     `deterministic` (unless set). Returns `out`.
     """
     engine_kwargs = dict(engine_kwargs or {})
-    _check_out(out, opts.force)
+    check_output_path(out, opts.force)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
@@ -100,8 +100,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
     hf_config, tokenizer = _load_config_tokenizer(model_dir, prompts, engine_kwargs)
     shim = _ConfigOnly(hf_config)
-    prompt_ids = _prompt_ids(prompts, tokenizer)
-    forced = _forced_tokens(opts.tokens_from, shim, prompt_ids, prompts, tokenizer,
+    prompt_ids = tokenize_prompts(prompts, tokenizer)
+    forced = forced_tokens(opts.tokens_from, shim, prompt_ids, prompts, tokenizer,
                             opts.max_new_tokens) if opts.tokens_from else None
     if forced is not None:
         prompt_ids = [f[0] for f in forced]
@@ -131,7 +131,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                    compression=opts.compression)
             complete = False
             try:
-                with _sigterm_as_interrupt():
+                with sigterm_as_interrupt():
                     params = [SamplingParams(
                         temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
                         prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
@@ -199,7 +199,7 @@ def _load_config_tokenizer(model_dir: Path, prompts, engine_kwargs: dict):
 
 
 class _ConfigOnly:
-    """What `_forced_tokens` and `config_hash` read from a model, from its config alone."""
+    """What `forced_tokens` and `config_hash` read from a model, from its config alone."""
 
     def __init__(self, config):
         self.config = config
