@@ -81,8 +81,13 @@ def verdict_line(a: Analysis) -> str:
             flip = (f"; near-tie token flip at request {d.first_flip.req} step "
                     f"{d.first_flip.step}")
         return f"PASS: {n} records within tolerance{w}{flip}{weaker}"
-    if fd is None:  # only a real token flip
-        f = next(f for f in d.flips if f.near_tie is not True)
+    if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
+        f = next((f for f in d.flips if f.near_tie is not True), None)
+        if f is None:
+            r = d.failed[0]
+            return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {_g(r.error)} "
+                    f"[tolerance {_g(r.tolerance.rel_l2)}]; their producer is not recorded: "
+                    f"widen --include{weaker}")
         return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
                 f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
     if fd.basis == "shape":
