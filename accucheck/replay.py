@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from accucheck.errors import UserError
-from accucheck.keys import RecordKey
 from accucheck.metrics import tensor_metrics
 from accucheck.opmatch import OpCall, op_calls
 from accucheck.store import CaptureReader, open_capture
@@ -138,8 +137,6 @@ def replay_ops(ref: str | os.PathLike, ops: Sequence[str] = (), *, device: str =
     """Replay the selected op calls of `ref` here (and in float64 on the CPU); see the module
     docstring. Raises UserError when the capture has no replayable op records or nothing
     matches `ops`."""
-    import torch
-
     from accucheck.capture import device as dev
 
     spec = dev.parse_device(device)

@@ -82,8 +82,8 @@ def test_op_level_shadow_names_the_op(tiny, tmp_path):
                 include=("model.layers.1.mlp", "model.layers.2.mlp"))
     capture_model(model, PROMPT, tmp_path / "r.h5", tokenizer=tok, **opts)
     with planted(model, "model.layers.1.mlp", "op:aten.mm:bf16"):
-        capture_model(model, PROMPT, tmp_path / "c.h5", tokenizer=tok, shadow=str(tmp_path / "r.h5"),
-                      **opts)
+        capture_model(model, PROMPT, tmp_path / "c.h5", tokenizer=tok,
+                      shadow=str(tmp_path / "r.h5"), **opts)
     a = analyze(tmp_path / "r.h5", tmp_path / "c.h5")
     c = a.culprit
     assert (c.module, c.op, c.local_basis) == ("model.layers.1.mlp", "aten.mm.default", "shadow")
@@ -99,7 +99,8 @@ def test_shadow_needs_a_full_reference_with_inputs(tiny, tmp_path):
     model, tok = tiny
     capture_model(model, PROMPT, tmp_path / "s.h5", tokenizer=tok)
     with pytest.raises(UserError, match="--store full"):
-        capture_model(model, PROMPT, tmp_path / "c.h5", tokenizer=tok, shadow=str(tmp_path / "s.h5"))
+        capture_model(model, PROMPT, tmp_path / "c.h5", tokenizer=tok,
+                      shadow=str(tmp_path / "s.h5"))
     capture_model(model, PROMPT, tmp_path / "f.h5", tokenizer=tok, store="full")
     with pytest.raises(UserError, match="--inputs"):
         capture_model(model, PROMPT, tmp_path / "c2.h5", tokenizer=tok,
