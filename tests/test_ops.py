@@ -108,6 +108,22 @@ def test_planted_op_fault_is_named_at_op_level(ref_op, silu_fp16):
     assert json.loads(render(a, "json"))["culprit"]["op"] == "aten.silu.default"
 
 
+def test_golden_referee_at_op_level(tiny, ref_op, silu_fp16):
+    """float64 golden: the faulty op is `cand worse`; healthy ops are `both within noise`,
+    although the golden runs extra casts (RMSNorm computes in float32) that alignment skips."""
+    model, tok = tiny
+    golden = ref_op.parent / "golden.h5"
+    capture_model(model, PROMPT, golden, tokenizer=tok, dtype="float64", **OPT)
+    a = analyze(ref_op, silu_fp16, golden)
+    silu = a.diff.record("r0.s0:model.layers.1.mlp#0/aten.silu.default@1:out.0")
+    assert silu.golden.label == "cand worse"
+    mm0 = a.diff.record("r0.s0:model.layers.0.mlp#0/aten.mm.default@0:out.0")
+    assert mm0.golden.label == "both within noise"
+    assert a.culprit.golden == "cand worse"
+    ops = [r for r in a.diff.records if r.key.op is not None and r.golden is not None]
+    assert len(ops) > 100 and all(r.golden.label != "n/a" for r in ops if r.key.role == "out")
+
+
 # -- a numerically equivalent rewrite: one fused kernel instead of six ops --------------------
 @torch.library.custom_op("accucheck_test::rms_norm", mutates_args=())
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
