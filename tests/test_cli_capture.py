@@ -161,3 +161,17 @@ def test_list_modules(tiny_dir, capsys):
     mods = out.split()
     assert "model.layers.3.self_attn" in mods and "model.layers.3.mlp" not in mods
     assert not os.path.exists("unused.h5")
+
+
+def test_a_signal_swallowed_by_a_finalizer_still_stops_the_capture():
+    from accucheck.capture.api import interruptible
+
+    with interruptible() as guard:
+        try:  # what Python does when the signal lands inside a __del__: the exception is lost
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            guard.check()  # the next step boundary raises it again
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -122,12 +122,12 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     if not modules:
         raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
                         " to see the module paths")
-    backend = _backend(spec, opts) if opts.mode == "graph" else None
+    backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
     meta = {
         "tool": "accucheck", "tool_version": accucheck.__version__,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "runner": "hf", "device": str(spec), "dtype": dtype_name, "mode": opts.mode,
-        "compile_backend": backend, "seed": seeded, "determinism": determinism,
+        "compile_backend": backend_name, "seed": seeded, "determinism": determinism,
         "environment": dev.fingerprint(spec),
         "model": {"class": type(model).__name__, "causal_lm": causal,
                   "config_hash": config_hash(model), "weight_hash": weight_hash(model),
@@ -143,15 +143,13 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     recorder = _recorder(model, writer, modules, opts)
     complete = False
     try:
-        with sigterm_as_interrupt(), recorder.hooks():
+        with interruptible() as guard, recorder.hooks():
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
             forward = torch.compile(model, backend=backend, dynamic=True) \
                 if opts.mode == "graph" else model
             for r, ids in enumerate(prompt_ids):
-                state = {"step": 0}
-
-                def on_step(step, r=r, state=state):
-                    state["step"] = step
+                def on_step(step, r=r):
+                    guard.check()
                     recorder.begin_step(r, step)
 
                 def on_logits(logits):
@@ -268,16 +266,18 @@ def forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
     return out
 
 
-def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> str | object:
+def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> tuple[str, str | object]:
+    """(name recorded in meta, backend passed to torch.compile) for mode "graph"."""
     if opts.compile_backend:
-        return opts.compile_backend
-    if spec.kind == "npu":
+        return opts.compile_backend, opts.compile_backend
+    if spec.kind == "npu":  # Ascend's documented torch.compile backend is TorchAir's
         try:
-            import torchair  # noqa: F401  (documented torch_npu graph backend)
-            return "torchair"
+            import torchair
         except ImportError:
-            return "npugraph_ex" if hasattr(torch, "npu") else "inductor"
-    return "inductor"
+            raise UserError("--mode graph on NPU needs torchair (the Ascend torch.compile "
+                            "backend, installed with torch_npu); or pass --compile-backend") from None
+        return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+    return "inductor", "inductor"
 
 
 def _config_dict(model: nn.Module) -> dict | None:
@@ -287,17 +287,37 @@ def _config_dict(model: nn.Module) -> dict | None:
     return json.loads(json.dumps(cfg.to_dict(), default=str))
 
 
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """A `kill` (SIGTERM) during capture ends it like Ctrl-C: the file is closed, incomplete."""
-    def handler(signum, frame):
+class Interrupts:
+    """SIGINT / SIGTERM during a capture end it like Ctrl-C: the file is closed, incomplete.
+
+    The handler raises KeyboardInterrupt and also remembers the signal, because Python drops
+    an exception raised while a finalizer (`__del__`, a GC callback: h5py and tqdm have them)
+    is running; `check()`, called at every step boundary, raises it again.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def _handler(self, signum, frame):
+        self.signum = signum
         raise KeyboardInterrupt(f"signal {signum}")
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+
+@contextmanager
+def interruptible() -> Iterator[Interrupts]:
+    guard = Interrupts()
+    old = {}
     try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not in the main thread
-        yield
-        return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, guard._handler)
+    except ValueError:  # not in the main thread: signals stay as they were
+        pass
     try:
-        yield
+        yield guard
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -26,7 +26,7 @@ import numpy as np
 import accucheck
 from accucheck.capture import device as dev
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
-                                   sigterm_as_interrupt, tokenize_prompts)
+                                   interruptible, tokenize_prompts)
 from accucheck.capture.hf import config_hash, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -131,7 +131,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                    compression=opts.compression)
             complete = False
             try:
-                with sigterm_as_interrupt():
+                with interruptible():
                     params = [SamplingParams(
                         temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
                         prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
