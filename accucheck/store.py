@@ -65,6 +65,7 @@ _OPTIONAL_COLUMNS = {"extra": _STR}  # absent in older schema-1 files
 _NATIVE = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
            "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32,
            "int64": np.int64, "bool": np.bool_}
+_INDEX_CHUNK = 256  # rows per HDF5 chunk of the index: small files stay small, big ones fast
 REGENERATE_HINT = "re-run `accucheck capture` with this accucheck version to regenerate it"
 
 
@@ -149,9 +150,10 @@ class CaptureWriter:
                                dtype=_STR)
         idx = self._f.create_group("index")
         for name, dt in {**_INDEX_COLUMNS, **_OPTIONAL_COLUMNS}.items():
-            idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(1024,))
+            idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt,
+                               chunks=(_INDEX_CHUNK,))
         idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)), maxshape=(None, len(STAT_FIELDS)),
-                           dtype=np.float64, chunks=(1024, len(STAT_FIELDS)))
+                           dtype=np.float64, chunks=(_INDEX_CHUNK, len(STAT_FIELDS)))
         self._f.create_group("tensors")
         self._f.create_group("requests")
         self._rows: list[tuple] = []
