@@ -25,7 +25,7 @@ from accucheck.capture.tiny import tiny_model_dir
 from accucheck.store import CaptureWriter, open_capture
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -43,7 +43,7 @@ def bench(model, seq: int, repeats: int, tmp: Path) -> dict:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
 
-    out = {"seq": seq, "plain_s": _median_time(plain, repeats)}
+    out = {"seq": seq, "plain_s": median_time(plain, repeats)}
     for store in ("stats", "full"):
         path = tmp / f"bench-{store}-{seq}.h5"
         writer = CaptureWriter(path, meta={"bench": True}, store=store, force=True)
@@ -58,7 +58,7 @@ def bench(model, seq: int, repeats: int, tmp: Path) -> dict:
             counter["req"] += 1
 
         with rec.hooks():
-            out[f"{store}_s"] = _median_time(captured, repeats)
+            out[f"{store}_s"] = median_time(captured, repeats)
         writer.close()
         n_forwards = counter["req"]
         out[f"{store}_bytes_per_forward"] = path.stat().st_size / n_forwards

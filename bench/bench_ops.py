@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -27,16 +25,7 @@ from accucheck.capture.recorder import select_modules
 from accucheck.capture.shadow import ShadowSource
 from accucheck.capture.tiny import tiny_model_dir
 from accucheck.store import CaptureWriter
-
-
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from bench_capture import median_time  # same folder: run as python bench/bench_ops.py
 
 
 def main() -> None:
@@ -55,7 +44,7 @@ def main() -> None:
         with torch.no_grad():
             return model(input_ids=ids, use_cache=False)
 
-    plain = _median(forward, args.repeats)
+    plain = median_time(forward, args.repeats)
     print(f"tiny Llama, seq {args.seq}, {args.threads} thread(s): plain forward "
           f"{plain * 1e3:.1f} ms")
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +67,7 @@ def main() -> None:
                 n["req"] += 1
 
             with rec.hooks():
-                t = _median(captured, args.repeats)
+                t = median_time(captured, args.repeats)
             writer.close()
             if src is not None:
                 src.close()

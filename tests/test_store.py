@@ -110,7 +110,7 @@ def test_foreign_and_future_files_are_refused(tmp_path):
     with pytest.raises(UserError, match="not an accucheck capture"):
         open_capture(p)
     q = tmp_path / "v.h5"
-    with CaptureWriter(q, meta={}) as w:
+    with CaptureWriter(q, meta={}):
         pass
     with h5py.File(q, "a") as f:
         f.attrs["schema_version"] = SCHEMA_VERSION + 1
