@@ -326,7 +326,11 @@ def _curve_table(L, fmt: str) -> str:
     if not L.curve:
         return ""
     steps = sorted({p.step for p in L.curve})
+    hidden = ""
     if len(steps) > MAX_STEP_COLS:
+        left_out = steps[MAX_STEP_COLS - 1:-1]
+        hidden = (f"\n(steps {left_out[0]}..{left_out[-1]} not shown here: "
+                  f"--format json has every step)")
         steps = steps[:MAX_STEP_COLS - 1] + [steps[-1]]
     layers = sorted({p.layer for p in L.curve})
     if len(layers) > MAX_CURVE_ROWS:
@@ -347,7 +351,7 @@ def _curve_table(L, fmt: str) -> str:
                        + ("" if c[2] else " *"))
         rows.append(row)
     return tabulate(rows, ["layer"] + [f"step {s}" for s in steps], tablefmt=fmt,
-                    disable_numparse=True)
+                    disable_numparse=True) + hidden
 
 
 def _logits_table(d: DiffResult, fmt: str) -> str:
