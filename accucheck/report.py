@@ -329,8 +329,9 @@ def _curve_table(L, fmt: str) -> str:
     hidden = ""
     if len(steps) > MAX_STEP_COLS:
         left_out = steps[MAX_STEP_COLS - 1:-1]
-        hidden = (f"\n(steps {left_out[0]}..{left_out[-1]} not shown here: "
-                  f"--format json has every step)")
+        span = f"step {left_out[0]}" if len(left_out) == 1 else \
+            f"steps {left_out[0]}..{left_out[-1]}"
+        hidden = f"\n({span} not shown here: --format json has every step)"
         steps = steps[:MAX_STEP_COLS - 1] + [steps[-1]]
     layers = sorted({p.layer for p in L.curve})
     if len(layers) > MAX_CURVE_ROWS:
