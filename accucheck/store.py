@@ -198,6 +198,13 @@ class CaptureWriter:
         if prompt is not None:
             g.attrs["prompt"] = prompt
 
+    def update_meta(self, **fields) -> None:
+        """Add what is only known at the end of a capture (e.g. shadow replay counts) to /meta."""
+        meta = json.loads(_as_str(self._f["meta"][()]))
+        meta.update(fields)
+        del self._f["meta"]
+        self._f.create_dataset("meta", data=json.dumps(meta, sort_keys=True), dtype=_STR)
+
     def flush(self, force: bool = False) -> None:
         """Write buffered index rows and flush HDF5. Cheap to call after every step: unless
         `force`, it writes at most once per `flush_interval` seconds (a killed capture loses at

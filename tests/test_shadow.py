@@ -35,6 +35,8 @@ def test_shadow_records_and_what_cannot_be_replayed(ref, bf16):
         sh = {str(r.key) for r in c.rows if r.key.role == "shadow"}
         out = {str(r.key.with_role("shadow")) for r in c.rows if r.key.role == "out"
                and r.key.module != "logits"}
+        counts = c.meta["shadow_replay"]  # what was replayed and what not, said in the file
+    assert counts["replayed"] == len(sh) and counts["skipped"] == len(out - sh) > 0
     step0 = {k for k in out if k.startswith("r0.s0:")}
     assert step0 <= sh  # every module call of the prefill is replayed
     # decode step: the KV cache of the reference is not recorded -> attention (and the layer

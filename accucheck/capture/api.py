@@ -161,6 +161,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                 writer.set_request(r, gen.prompt_ids, gen.generated_ids,
                                    prompts[r] if isinstance(prompts[r], str) else None)
                 writer.flush()
+        if getattr(recorder, "shadow_counts", None) is not None:
+            writer.update_meta(shadow_replay=recorder.shadow_counts)
         complete = True
     finally:
         writer.close(complete=complete)
