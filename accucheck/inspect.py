@@ -35,6 +35,7 @@ def summary(reader: CaptureReader) -> dict:
         "complete": reader.complete,
         "runner": m.get("runner"), "device": m.get("device"), "dtype": m.get("dtype"),
         "mode": m.get("mode"), "compile_backend": m.get("compile_backend"),
+        "compile_stats": m.get("compile_stats"),
         "store": reader.store_mode, "seed": (m.get("seed") or {}).get("seed"),
         "model": {k: v for k, v in (m.get("model") or {}).items() if k != "config"},
         "model_path": m.get("model_path"),
@@ -60,8 +61,7 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
                                                    "re-run it before comparing"),
         ("runner / device", f"{info['runner']} / {info['device']} "
                             f"({info['environment'].get('device_name')})"),
-        ("dtype / mode", f"{info['dtype']} / {info['mode']}"
-                         + (f" (backend {info['compile_backend']})" if info['compile_backend'] else "")),
+        ("dtype / mode", f"{info['dtype']} / {info['mode']}" + _compiled(info)),
         ("store", info["store"]),
         ("model", f"{info['model'].get('class')} config {info['model'].get('config_hash')} "
                   f"weights {info['model'].get('weight_hash')}"),
@@ -83,6 +83,15 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
                                  "l2", "nan+inf"], tablefmt="simple"),
         shown,
     ])
+
+
+def _compiled(info: dict) -> str:
+    if not info["compile_backend"]:
+        return ""
+    cs = info.get("compile_stats") or {}
+    stats = (f", {cs['unique_graphs']} graph(s), {cs['graph_breaks']} graph break(s)"
+             if "graph_breaks" in cs else "")
+    return f" (backend {info['compile_backend']}{stats})"
 
 
 def _g(x: float) -> str:

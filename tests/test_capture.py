@@ -202,6 +202,9 @@ def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
     capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "g.h5", CaptureOptions(mode="graph", **opts))
     with open_capture(tmp_path / "e.h5") as e, open_capture(tmp_path / "g.h5") as g:
         assert g.meta["mode"] == "graph" and g.meta["compile_backend"] == "inductor"
+        # the hooks are traced into the compiled graphs: no graph break, prefill + decode graphs
+        assert g.meta["compile_stats"]["graph_breaks"] == 0
+        assert g.meta["compile_stats"]["unique_graphs"] >= 1
         assert [str(r.key) for r in g.rows] == [str(r.key) for r in e.rows]
         for r in e.rows:
             a, b = e.read(r.key).astype(np.float64), g.read(r.key).astype(np.float64)

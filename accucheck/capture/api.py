@@ -142,6 +142,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                            compression=opts.compression)
     recorder = _recorder(model, writer, modules, opts)
     complete = False
+    before = _compile_stats() if opts.mode == "graph" else {}
     try:
         with interruptible() as guard, recorder.hooks():
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
@@ -163,6 +164,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                 writer.flush()
         if getattr(recorder, "shadow_counts", None) is not None:
             writer.update_meta(shadow_replay=recorder.shadow_counts)
+        if opts.mode == "graph":
+            writer.update_meta(compile_stats=_compile_stats(before))
         complete = True
     finally:
         writer.close(complete=complete)
@@ -280,6 +283,23 @@ def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> tuple[str, str | obj
                             "backend, installed with torch_npu); or pass --compile-backend") from None
         return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
     return "inductor", "inductor"
+
+
+def _compile_stats(since: dict | None = None) -> dict:
+    """torch._dynamo's counters of graphs and graph breaks (minus `since`): evidence that the
+    hooks were traced into the graph (0 breaks) rather than splitting it."""
+    from torch._dynamo.utils import counters
+
+    now = {"unique_graphs": counters["stats"].get("unique_graphs", 0),
+           "graph_breaks": sum(counters["graph_break"].values()),
+           "break_reasons": {str(k)[:200]: v for k, v in counters["graph_break"].items()}}
+    if since:
+        now["unique_graphs"] -= since["unique_graphs"]
+        now["graph_breaks"] -= since["graph_breaks"]
+        now["break_reasons"] = {k: v - since["break_reasons"].get(k, 0)
+                                for k, v in now["break_reasons"].items()
+                                if v > since["break_reasons"].get(k, 0)}
+    return now
 
 
 def _config_dict(model: nn.Module) -> dict | None:
