@@ -132,7 +132,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                 raise UserError("--engine-arg is for --runner vllm")
             from accucheck.capture.api import capture_dir
 
-            path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code)
+            path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code,
+                               progress=err)
     except KeyboardInterrupt:
         raise UserError(f"interrupted: {out} is left marked incomplete; re-run the capture "
                         f"(with --force) to replace it") from None

@@ -312,7 +312,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
         elif spec.fault is None:
             capture_dir(model_dir, list(scn.prompts), out, opts,
-                        trust_remote_code=scn.trust_remote_code)
+                        trust_remote_code=scn.trust_remote_code, progress=log)
         else:
             from accucheck.capture.device import parse_device, torch_device
             from accucheck.capture.faults import planted
@@ -325,7 +325,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             extra = dict(extra, model_path=str(Path(model_dir).resolve()),
                          planted_fault=str(spec.fault))
             with planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed):
-                capture_model(model, list(scn.prompts), out, tokenizer=tok,
+                capture_model(model, list(scn.prompts), out, tokenizer=tok, progress=log,
                               opts=replace(opts, meta_extra=extra))
     except KeyboardInterrupt:
         raise UserError(f"interrupted while capturing the {role}: {out} is left incomplete; "

@@ -211,3 +211,15 @@ def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
             rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
             assert rel < 1e-5, (str(r.key), rel)
         np.testing.assert_array_equal(e.requests[0].generated_ids, g.requests[0].generated_ids)
+
+
+def test_progress_lines_for_long_captures(tiny, tmp_path, monkeypatch):
+    from accucheck.capture import api
+
+    monkeypatch.setattr(api._Ticker, "every", 0.0)  # a line at every step instead of every 2 s
+    model, tok = tiny
+    lines: list[str] = []
+    capture_model(model, PROMPTS, tmp_path / "a.h5", tokenizer=tok, max_new_tokens=2,
+                  progress=lines.append)
+    assert lines[-1] == "capture: prompt 2/2, step 2/2, " + lines[-1].split(", ")[-1]
+    assert len(lines) == 2 * 3 and lines[-1].endswith(" records")

@@ -10,10 +10,11 @@ import copy
 import datetime as _dt
 import json
 import signal
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -80,7 +81,8 @@ class CaptureOptions:
 
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
-                opts: CaptureOptions, *, trust_remote_code: bool = False) -> Path:
+                opts: CaptureOptions, *, trust_remote_code: bool = False,
+                progress: Callable[[str], None] | None = None) -> Path:
     """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture."""
     check_output_path(out, opts.force)
     spec = dev.parse_device(opts.device)
@@ -88,19 +90,20 @@ def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
     dtype = parse_dtype(opts.dtype or "float32")
     model, tokenizer = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
     extra = dict(opts.meta_extra, model_path=str(Path(model_dir).resolve()))
-    return capture_model(model, prompts, out, tokenizer=tokenizer,
+    return capture_model(model, prompts, out, tokenizer=tokenizer, progress=progress,
                          opts=CaptureOptions(**{**asdict(opts), "dtype": _dtype_name(dtype),
                                                 "meta_extra": extra}))
 
 
 def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]],
                   out: str | Path, *, tokenizer=None, opts: CaptureOptions | None = None,
-                  **kwargs) -> Path:
+                  progress: Callable[[str], None] | None = None, **kwargs) -> Path:
     """Capture `model` on `prompts` (strings, with `tokenizer`; or lists of token ids) into `out`.
 
     Options come as a CaptureOptions or as its fields in **kwargs. The model is not modified:
     if `opts.dtype` or `opts.device` differ from the model's, a copy is converted; hooks are
-    removed afterwards, also on error. Returns the path of the complete capture. Raises
+    removed afterwards, also on error. `progress` gets a line about every 2 s of a long capture
+    (prompt, step, records so far). Returns the path of the complete capture. Raises
     UserError for bad input; a capture interrupted midway leaves a file marked incomplete.
     """
     opts = opts or CaptureOptions(**kwargs)
@@ -143,6 +146,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     recorder = _recorder(model, writer, modules, opts)
     complete = False
     before = _compile_stats() if opts.mode == "graph" else {}
+    ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
     try:
         with interruptible() as guard, recorder.hooks():
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
@@ -151,6 +155,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
             for r, ids in enumerate(prompt_ids):
                 def on_step(step, r=r):
                     guard.check()
+                    ticker.tick(r, step, writer.n_records)
                     recorder.begin_step(r, step)
 
                 def on_logits(logits):
@@ -172,6 +177,23 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if getattr(recorder, "shadow", None) is not None:
             recorder.shadow.close()
     return Path(out)
+
+
+class _Ticker:
+    """Progress lines for long captures, at most one every `every` seconds."""
+
+    every = 2.0
+
+    def __init__(self, out: Callable[[str], None] | None, n_prompts: int, n_steps: int):
+        self.out, self.n_prompts, self.n_steps = out, n_prompts, n_steps
+        self.last = time.monotonic()
+
+    def tick(self, req: int, step: int, records: int) -> None:
+        now = time.monotonic()
+        if self.out is not None and now - self.last >= self.every:
+            self.last = now
+            self.out(f"capture: prompt {req + 1}/{self.n_prompts}, step {step}/{self.n_steps}, "
+                     f"{records} records")
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
