@@ -190,14 +190,12 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
          amplification, allow_incomplete):
     """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
     3 unreadable / incomplete / incompatible captures."""
-    from accucheck.errors import EXIT_USAGE
     from accucheck.locate import analyze
     from accucheck.report import render, verdict_line
     from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
     if out and Path(out).exists() and not force:
-        raise UserError(f"{out} exists: choose another -o or pass --force to overwrite it",
-                        EXIT_USAGE)
+        raise UserError(f"{out} exists: choose another -o or pass --force to overwrite it")
     tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
     err(f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
     result = analyze(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,

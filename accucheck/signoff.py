@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, EXIT_USAGE, UserError
+from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, UserError
 from accucheck.locate import Analysis, analyze
 from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
 from accucheck.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
@@ -214,7 +214,7 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
     `ref` / `cand` / `golden`: existing captures that replace the scenario's runs; the others are
     captured here (into OUT_DIR/captures/). `previous` overrides the scenario's `previous`.
     Refuses a non-empty `out_dir` unless `force` (then only the files it writes are replaced).
-    Raises UserError: exit 2 for an existing report dir, 3 for bad scenarios / captures.
+    Raises UserError (exit 3): an existing report dir (without force), bad scenarios / captures.
     """
     log = progress or (lambda msg: None)
     t0 = time.monotonic()
@@ -239,11 +239,11 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
 def prepare_out_dir(out_dir: str | os.PathLike, force: bool) -> Path:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file: choose another --out-dir", EXIT_USAGE)
+        raise UserError(f"{out} is a file: choose another --out-dir")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise UserError(f"report directory {out} is not empty: choose another --out-dir or "
-                            f"pass --force to replace its report", EXIT_USAGE)
+                            f"pass --force to replace its report")
         for name in REPORT_FILES:
             p = out / name
             if p.is_dir() and not p.is_symlink():

@@ -128,7 +128,7 @@ def test_cli_exit_codes_and_output(caps, capsys, tmp_path):
     assert code == 1 and out == "" and json.loads(o.read_text())["verdict"] == "fail"
     assert "FAIL" in err
     code, _, err = run_cli([caps["ref"], caps["same"], "-o", o], capsys)
-    assert code == 2 and "exists" in err
+    assert code == 3 and "exists" in err  # nothing overwritten: bad input, like capture
     code, _, _ = run_cli([caps["ref"], caps["same"], "-o", o, "--force"], capsys)
     assert code == 0 and o.read_text().startswith("PASS")
     code, _, err = run_cli([caps["ref"], caps["same"], "--tol", "bad"], capsys)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from accucheck.cli import main
-from accucheck.errors import EXIT_USAGE, UserError
+from accucheck.errors import EXIT_BAD_INPUT, UserError
 from accucheck.scenario import load_scenario
 from accucheck.signoff import evaluate, signoff
 
@@ -187,7 +187,7 @@ def test_cli_reuses_given_captures_and_refuses_a_full_report_dir(fault, tmp_path
     assert _json(out)["culprit"] == CULPRIT
     with pytest.raises(SystemExit) as e:
         main(args)
-    assert e.value.code == EXIT_USAGE
+    assert e.value.code == EXIT_BAD_INPUT
     assert "not empty" in capsys.readouterr().err
     (out / "mine.txt").write_text("kept")
     with pytest.raises(SystemExit) as e:
