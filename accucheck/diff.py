@@ -36,7 +36,7 @@ from accucheck.keys import RecordKey
 from accucheck.metrics import (MetricAccumulator, TensorMetrics, kl_div, logit_noise,
                                top2_margin, topk_overlap)
 from accucheck.opmatch import OpAlignment, align_captures
-from accucheck.store import CaptureReader, IndexRow, open_capture
+from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                   loosest_dtype)
 
@@ -68,8 +68,10 @@ class GoldenLabel:
 
 @dataclass(frozen=True)
 class RecordDiff:
-    """One aligned key. `error` is rel_l2 (basis "tensor"), its lower bound (basis "stats") or
-    inf (basis "shape": shapes differ)."""
+    """One aligned key. `error` is rel_l2 (basis "tensor"); in stats-mode captures, the larger
+    of its estimate from the sampled values and its statistics lower bound (basis "sample"),
+    or the lower bound alone (basis "stats", no samples stored); inf (basis "shape": shapes
+    differ)."""
     key: RecordKey
     kind: str
     order: int                 # position in the reference's execution order
@@ -77,7 +79,7 @@ class RecordDiff:
     cand_dtype: str
     ref_shape: tuple[int, ...]
     cand_shape: tuple[int, ...]
-    basis: str                 # "tensor" | "stats" | "shape"
+    basis: str                 # "tensor" | "sample" | "stats" | "shape"
     tolerance: Tolerance
     metrics: TensorMetrics | None = None
     stats: StatsDelta | None = None
@@ -87,15 +89,19 @@ class RecordDiff:
                                           # paired another op index / op (accucheck.opmatch)
 
     def __post_init__(self) -> None:
-        if self.basis not in ("tensor", "stats", "shape"):
+        if self.basis not in ("tensor", "sample", "stats", "shape"):
             raise ValueError(f"bad basis {self.basis!r}")
-        if (self.basis == "tensor") != (self.metrics is not None):
-            raise ValueError("metrics go with basis 'tensor'")
+        if (self.basis in ("tensor", "sample")) != (self.metrics is not None):
+            raise ValueError("metrics go with basis 'tensor' or 'sample'")
+        if (self.basis in ("sample", "stats")) != (self.stats is not None):
+            raise ValueError("statistics go with basis 'sample' or 'stats'")
 
     @property
     def error(self) -> float:
         if self.basis == "tensor":
             return self.metrics.rel_l2
+        if self.basis == "sample":
+            return max(self.metrics.rel_l2, self.stats.rel_l2_lower_bound)
         if self.basis == "stats":
             return self.stats.rel_l2_lower_bound
         return math.inf
@@ -108,10 +114,11 @@ class RecordDiff:
     def within(self) -> bool:
         if self.basis == "tensor":
             return self.tolerance.within(self.metrics)
-        if self.basis == "stats":
-            return (self.stats.nan_inf_mismatch == 0
+        stats_ok = (self.stats is not None and self.stats.nan_inf_mismatch == 0
                     and self.stats.rel_l2_lower_bound <= self.tolerance.rel_l2)
-        return False
+        if self.basis == "sample":
+            return stats_ok and self.tolerance.within(self.metrics)
+        return stats_ok
 
     def __bool__(self) -> bool:
         return self.within
@@ -202,8 +209,7 @@ class DiffResult:
     @property
     def basis(self) -> str:
         b = {r.basis for r in self.records if r.basis != "shape"}
-        return "tensor" if b == {"tensor"} else "stats" if b == {"stats"} else \
-            "mixed" if b else "none"
+        return b.pop() if len(b) == 1 else "mixed" if b else "none"
 
     @property
     def failed(self) -> tuple[RecordDiff, ...]:
@@ -389,7 +395,7 @@ class _Differ:
             elif self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
                 grow = self.G.row(ra.key)
             rd, ls = self._compare(ra, ca, grow, shadows.get(str(ra.key)))
-            stats_only += rd.basis == "stats"
+            stats_only += rd.basis in ("stats", "sample")
             records.append(rd)
             if ls is not None:
                 logits.append(ls)
@@ -397,7 +403,8 @@ class _Differ:
             self.notes.append(
                 f"{stats_only} of {len(records)} records have statistics only (capture with "
                 f"--store full for exact metrics): their verdict uses a lower bound on rel_l2 "
-                f"and is weaker; a pass there does not prove agreement")
+                f"and, where both files hold the sampled values, an estimate from "
+                f"{SAMPLE_SIZE} of them; weaker: a pass there does not prove agreement")
         if missing:
             n_ref = sum(m.only_in == "ref" for m in missing)
             self.notes.append(f"{len(missing)} keys on one side only ({n_ref} only in ref, "
@@ -418,7 +425,12 @@ class _Differ:
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
         if not (ra.has_data and ca.has_data):
-            return RecordDiff(basis="stats", stats=stats_delta(ra, ca), **base), None
+            sd = stats_delta(ra, ca)
+            if ra.sample is None or ca.sample is None:
+                return RecordDiff(basis="stats", stats=sd, **base), None
+            acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
+            acc.add(ra.sample, ca.sample)
+            return RecordDiff(basis="sample", metrics=acc.result(), stats=sd, **base), None
         acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
         use_golden = grow is not None and grow.has_data and grow.shape == ra.shape
         gsum = np.zeros(3)  # sum (ref-g)^2, sum (cand-g)^2, sum g^2

@@ -82,7 +82,7 @@ class Divergence:
     input_error: float | None
     input_from: tuple[str, ...]
     tolerance: float
-    basis: str                    # "tensor" | "stats" | "shape"
+    basis: str                    # "tensor" | "sample" | "stats" | "shape"
     metrics: TensorMetrics | None
     path: tuple[str, ...]         # enclosing modules, outermost first (decoder layer, ...)
     inner_error: float | None = None

@@ -24,6 +24,9 @@ MAX_CURVE_ROWS = 24  # layers shown in table / md (evenly thinned above that)
 MAX_STEP_COLS = 4    # steps shown in the layer curve (first ones and the last one)
 
 
+BASIS_MARK = {"stats": " (>=)", "sample": " (~)"}  # lower bound / estimate, not exact
+
+
 def render(analysis: Analysis, fmt: str = "table") -> str:
     if fmt == "json":
         return json.dumps(to_json(analysis), indent=1, sort_keys=False) + "\n"
@@ -69,8 +72,9 @@ def verdict_line(a: Analysis) -> str:
     d, fd = a.diff, a.location.first_divergence
     n = len(d.records)
     weaker = ""
-    if d.basis in ("stats", "mixed"):
-        weaker = " [weaker: some records have statistics only, compared by a lower bound]"
+    if d.basis in ("stats", "sample", "mixed"):
+        weaker = (" [weaker: some records have statistics only, compared by a lower bound"
+                  " and sampled values]")
     if d.within:
         worst = max(d.records, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300),
                     default=None)
@@ -94,7 +98,7 @@ def verdict_line(a: Analysis) -> str:
         r = d.record(fd.key)
         return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
                 f"{list(r.cand_shape)}{weaker}")
-    bound = "rel_l2 >= " if fd.basis == "stats" else "rel_l2 "
+    bound = {"stats": "rel_l2 >= ", "sample": "rel_l2 ~ "}.get(fd.basis, "rel_l2 ")
     inp = _g(fd.input_error) if fd.input_error is not None else "unknown"
     tail = "introduced here" if fd.cause == "introduced" else \
         "inherited (no recorded module introduces it: it grew gradually or comes from before " \
@@ -289,7 +293,7 @@ def to_text(a: Analysis, md: bool = False) -> str:
         loc = locs[str(r.key)]
         m = r.metrics
         row = [str(r.key), "ok" if r.within else (loc.cause or "over"),
-               _g(r.error) + (" (>=)" if r.basis == "stats" else ""),
+               _g(r.error) + BASIS_MARK.get(r.basis, ""),
                _g(loc.input_error), _g(loc.introduced),
                _cos(m.cosine) if m else "-", _g(m.max_abs) if m else "-",
                (_g(float(m.max_ulp)) if m and m.max_ulp is not None else "-"),

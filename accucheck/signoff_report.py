@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from accucheck.report import BASIS_MARK
 from accucheck.report import to_json as diff_to_json
 from accucheck.signoff import SignoffResult, _g
 
@@ -252,7 +253,7 @@ def worst_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
     for x in recs:
         loc = locs[str(x.key)]
         row = [str(x.key), "ok" if x.within else (loc.cause or "over"),
-               _g(x.error) + (" (>=)" if x.basis == "stats" else ""), _g(loc.input_error),
+               _g(x.error) + BASIS_MARK.get(x.basis, ""), _g(loc.input_error),
                _cos(x.cosine), _g(x.tolerance.rel_l2)]
         if has_golden:
             row.append(x.golden.label if x.golden else "-")

@@ -22,6 +22,11 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             {"site": "transformers/.../modeling_llama.py:154 in forward",
                              "args": [...], "kwargs": {...}} where "args"/"kwargs" describe the
                             op call with tensors as {"t": "<in slot>"} (see accucheck.capture.ops)
+    /index/sample           [n, 64] float64 (OPTIONAL, like extra): a fixed sample of the
+                            tensor's values at flat (C-order) positions
+                            (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
+                            when numel < 64): the same positions on every device for the same
+                            shape, so two stats-mode captures can estimate rel_l2 from it
     /tensors/<8 digits>     the tensor in its original dtype and shape (chunked, optional
                             gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
@@ -41,7 +46,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -62,6 +67,7 @@ _INDEX_COLUMNS = {
     "checksum": np.int64,
 }
 _OPTIONAL_COLUMNS = {"extra": _STR}  # absent in older schema-1 files
+SAMPLE_SIZE = 64  # values per record in the optional /index/sample column
 _NATIVE = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
            "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32,
            "int64": np.int64, "bool": np.bool_}
@@ -102,6 +108,8 @@ class IndexRow:
     checksum: int
     data: str  # dataset name under /tensors, "" when only statistics were stored
     extra: str = ""  # JSON object with per-record details (op call site, op arguments) or ""
+    sample: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # SAMPLE_SIZE values at fixed positions (see /index/sample); None when not captured
 
     @property
     def has_data(self) -> bool:
@@ -154,6 +162,8 @@ class CaptureWriter:
                                chunks=(_INDEX_CHUNK,))
         idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)), maxshape=(None, len(STAT_FIELDS)),
                            dtype=np.float64, chunks=(_INDEX_CHUNK, len(STAT_FIELDS)))
+        idx.create_dataset("sample", shape=(0, SAMPLE_SIZE), maxshape=(None, SAMPLE_SIZE),
+                           dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
         self._f.create_group("tensors")
         self._f.create_group("requests")
         self._rows: list[tuple] = []
@@ -166,9 +176,10 @@ class CaptureWriter:
     def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
             extra: str = "") -> None:
-        """Add one record. `data` (full mode only) is the tensor as a numpy array in its stored
-        representation (bfloat16 as uint16 bit patterns, `dtype` says "bfloat16"). `extra`: ""
-        or a JSON object string (see /index/extra)."""
+        """Add one record. `stats`: the STAT_FIELDS values, optionally followed by SAMPLE_SIZE
+        sampled values (see /index/sample). `data` (full mode only) is the tensor as a numpy
+        array in its stored representation (bfloat16 as uint16 bit patterns, `dtype` says
+        "bfloat16"). `extra`: "" or a JSON object string (see /index/extra)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
         skey = str(key)
@@ -185,8 +196,13 @@ class CaptureWriter:
                 name, data=arr, chunks=chunks,
                 compression=self.compression if arr.size else None)
             ds.attrs["dtype"] = dtype
+        row = np.asarray(stats, dtype=np.float64).reshape(-1)
+        if row.size not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
+            raise ValueError(f"stats row of {row.size} values for {skey}")
+        sample = row[len(STAT_FIELDS):] if row.size > len(STAT_FIELDS) \
+            else np.full(SAMPLE_SIZE, np.nan)
         self._rows.append((skey, kind, dtype, json.dumps([int(s) for s in shape]), name,
-                           int(checksum), np.asarray(stats, dtype=np.float64), extra))
+                           int(checksum), row[:len(STAT_FIELDS)], extra, sample))
 
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
@@ -222,9 +238,10 @@ class CaptureWriter:
                 ds = idx[name]
                 ds.resize((n0 + k,))
                 ds[n0:] = np.asarray(cols[j], dtype=object if name != "checksum" else np.int64)
-            st = idx["stats"]
-            st.resize((n0 + k, len(STAT_FIELDS)))
-            st[n0:] = np.stack(cols[6])
+            for j, name in ((6, "stats"), (8, "sample")):
+                ds = idx[name]
+                ds.resize((n0 + k, ds.shape[1]))
+                ds[n0:] = np.stack(cols[j])
             self._n += k
             self._rows.clear()
         self._f.flush()
@@ -311,6 +328,7 @@ class CaptureReader:
         n = min(idx[c].shape[0] for c in list(_INDEX_COLUMNS) + ["stats"])
         cols = {c: idx[c][:n] for c in _INDEX_COLUMNS}
         extra = idx["extra"][:n] if "extra" in idx and idx["extra"].shape[0] >= n else None
+        sample = idx["sample"][:n] if "sample" in idx and idx["sample"].shape[0] >= n else None
         stats = idx["stats"][:n]
         rows = []
         for i in range(n):
@@ -320,7 +338,9 @@ class CaptureReader:
                 shape=tuple(json.loads(_as_str(cols["shape"][i]))),
                 stats=Stats.from_row(stats[i]), checksum=int(cols["checksum"][i]),
                 data=_as_str(cols["data"][i]),
-                extra=_as_str(extra[i]) if extra is not None else ""))
+                extra=_as_str(extra[i]) if extra is not None else "",
+                sample=sample[i] if sample is not None and not np.isnan(sample[i]).all()
+                else None))
         return rows
 
     @property

@@ -89,10 +89,31 @@ def test_stats_only_capture_finds_a_scale_fault_weaker(tiny, tmp_path):
         capture_model(model, diffcases.PROMPTS, tmp_path / "c.h5", tokenizer=tok,
                       store="stats", max_new_tokens=1, tokens_from=str(ref))
     a = analyze(ref, tmp_path / "c.h5")
-    assert a.diff.basis == "stats" and a.exit_code == 1
+    assert a.diff.basis == "sample" and a.exit_code == 1
     fd = a.location.first_divergence
     assert (fd.key.module, fd.cause, fd.basis) == ("model.layers.1.self_attn", "introduced",
-                                                   "stats")
+                                                   "sample")
+
+
+def test_stats_mode_samples_catch_a_bf16_rounded_norm(tiny, tmp_path):
+    """Stats mode (64 sampled values per record + statistics) names the bf16-rounded norm, and
+    the sampled estimate of its rel_l2 is close to the exact value from full captures."""
+    model, tok = tiny
+    ref = diffcases.make("ref", model, tok, tmp_path / "r.h5", store="stats", steps=0)
+    same = diffcases.make("same", model, tok, tmp_path / "s.h5", ref, store="stats", steps=0)
+    cand = diffcases.make("norm_bf16", model, tok, tmp_path / "c.h5", ref, store="stats",
+                          steps=0)
+    assert analyze(ref, same).exit_code == 0
+    a = analyze(ref, cand)
+    fd = a.location.first_divergence
+    assert a.exit_code == 1 and fd.basis == "sample"
+    assert (fd.key.module, fd.cause) == (diffcases.NORM_FAULT, "introduced")
+    rec = next(r for r in a.diff.records if r.key == fd.key)
+    full_ref = diffcases.make("ref", model, tok, tmp_path / "fr.h5", steps=0)
+    full = diffcases.make("norm_bf16", model, tok, tmp_path / "fc.h5", full_ref, steps=0)
+    exact = next(r for r in analyze(full_ref, full).diff.records if r.key == fd.key)
+    assert exact.basis == "tensor"
+    assert 0.5 < rec.metrics.rel_l2 / exact.metrics.rel_l2 < 2.0
 
 
 # --------------------------------------------------------------------------- synthetic

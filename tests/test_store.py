@@ -68,9 +68,10 @@ def test_stats_are_exact_and_finite_only(tmp_path):
     # without the tensor at hand (stats mode) the counts stay exact, min..l2 are NaN
     raw = tensor_stats(t).numpy()
     row = finish_stats(raw, t.numel())
-    assert list(row[6:]) == [1, 1, 1, 6] and np.isnan(row[0])
+    assert list(row[6:10]) == [1, 1, 1, 6] and np.isnan(row[0])
     clean = finish_stats(tensor_stats(torch.tensor([3.0, -4.0])).numpy(), 2)
-    assert list(clean) == pytest.approx([-4, 3, -0.5, np.std([3, -4], ddof=1), 4, 5, 0, 0, 0, 2])
+    assert list(clean[:10]) == pytest.approx([-4, 3, -0.5, np.std([3, -4], ddof=1), 4, 5, 0, 0, 0, 2])
+    assert list(clean[10:12]) == [3, -4] and np.isnan(clean[12:]).all()  # sample, NaN-padded
 
 
 def test_refuses_to_overwrite(tmp_path):
@@ -142,6 +143,19 @@ def test_iter_chunks_splits_inside_rows(tmp_path):
             chunks = list(r.iter_chunks(_key("m"), max_elems=cap))
             assert max(c.size for c in chunks) <= cap
             np.testing.assert_array_equal(np.concatenate(chunks), t.numpy().ravel())
+
+
+def test_sample_is_taken_at_the_documented_positions(tmp_path):
+    from accucheck.store import SAMPLE_SIZE
+
+    t = torch.arange(1000, dtype=torch.bfloat16).reshape(1, 10, 100) / 7
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="stats") as w:
+        _add(w, "m", t)
+    with open_capture(tmp_path / "a.h5") as r:
+        sample = r.row(_key("m")).sample
+    pos = (np.arange(SAMPLE_SIZE) * 999) // (SAMPLE_SIZE - 1)
+    np.testing.assert_array_equal(sample, t.float().numpy().ravel()[pos])
+    assert pos[0] == 0 and pos[-1] == 999
 
 
 def test_record_key_round_trip():

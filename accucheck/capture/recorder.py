@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, layer_of
-from accucheck.store import CaptureWriter, bf16_bits_to_float32
+from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
 _EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
@@ -91,13 +91,15 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] as one float64 tensor on t's
-    device: a few fused reductions, no host sync. `finish_stats` turns the row into the stored
-    statistics on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
+    """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] followed by SAMPLE_SIZE
+    values at fixed positions (store.py, /index/sample), as one float64 tensor on t's device: a
+    few fused reductions and one gather, no host sync. `finish_stats` turns the row into the
+    stored one on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
     exact); `finish_stats` recomputes them over the finite values when the tensor is at hand."""
     x = t.detach()
     xf = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-    if xf.numel():
+    n = xf.numel()
+    if n:
         mn, mx = torch.aminmax(xf)
     else:
         mn = mx = xf.sum()
@@ -105,12 +107,21 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     vals = torch.stack([mn, mx, xf.sum(), torch.linalg.vector_norm(xf)]).to(torch.float64)
     counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum(), (xf == 0).sum(),
                           torch.remainder(bits.sum(), 2**52)]).to(torch.float64)
-    return torch.cat([vals, counts])
+    flat = xf.reshape(-1)
+    if n >= SAMPLE_SIZE:
+        idx = torch.arange(SAMPLE_SIZE, device=xf.device) * (n - 1) // (SAMPLE_SIZE - 1)
+        sample = flat[idx].to(torch.float64)
+    else:
+        sample = torch.cat([flat.to(torch.float64),
+                            torch.full((SAMPLE_SIZE - n,), float("nan"), dtype=torch.float64,
+                                       device=xf.device)])
+    return torch.cat([vals, counts, sample])
 
 
 def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
-    """Stored statistics row (store.STAT_FIELDS) from a `tensor_stats` row. `host` (the exact
-    values, when captured) lets a NaN/Inf-holding tensor get finite-only min..l2."""
+    """Stored statistics row (store.STAT_FIELDS, then the SAMPLE_SIZE sampled values) from a
+    `tensor_stats` row. `host` (the exact values, when captured) lets a NaN/Inf-holding tensor
+    get finite-only min..l2."""
     mn, mx, s, l2, nan, inf, zero = (float(v) for v in raw[:7])
     if nan + inf and host is not None:
         f = host.astype(np.float64).ravel()
@@ -122,8 +133,9 @@ def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) ->
     mean = s / nf if nf else np.nan
     var = max(l2 * l2 - s * mean, 0.0) / (nf - 1) if nf > 1 else 0.0
     absmax = max(abs(mn), abs(mx))
-    return np.array([mn, mx, mean, np.sqrt(var), absmax, l2, nan, inf, zero, numel],
-                    dtype=np.float64)
+    return np.concatenate([
+        np.array([mn, mx, mean, np.sqrt(var), absmax, l2, nan, inf, zero, numel], dtype=np.float64),
+        np.asarray(raw[8:8 + SAMPLE_SIZE], dtype=np.float64)])
 
 
 def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
