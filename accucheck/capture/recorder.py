@@ -28,13 +28,16 @@ from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
 _EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
+_ROUTER_NAMES = ("gate", "router")  # MoE routers inside a layer's MLP block
 _SKIP_CLASSES = ("Dropout", "Identity", "RotaryEmbedding")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def default_modules(model: nn.Module) -> list[str]:
-    """Embeddings, every decoder layer and its direct children (attention, MLP, norms), the
-    final norm. lm_head is left out: its output is the `logits` record."""
+    """Embeddings, every decoder layer and its direct children (attention, MLP, norms), MoE
+    routers (a `gate` / `router` inside a layer's MLP: router logits, top-k weights and the
+    chosen experts, where expert-selection flips show), the final norm. lm_head is left out:
+    its output is the `logits` record."""
     layer_blocks = {name for name, m in model.named_modules()
                     if name and layer_of(name) is not None and name.split(".")[-1].isdigit()
                     and name == _layer_block(name)}
@@ -44,8 +47,10 @@ def default_modules(model: nn.Module) -> list[str]:
             continue
         leaf = name.split(".")[-1]
         parent = name.rsplit(".", 1)[0] if "." in name else ""
+        grandparent = parent.rsplit(".", 1)[0] if "." in parent else ""
         if (leaf in _EMBED_NAMES and layer_of(name) is None) or name in layer_blocks \
                 or parent in layer_blocks \
+                or (leaf in _ROUTER_NAMES and grandparent in layer_blocks) \
                 or (leaf in _FINAL_NORM_NAMES and layer_of(name) is None):
             picked.append(name)
     return picked
