@@ -39,7 +39,7 @@ Row order in /index is execution order (HDF5 iterates group members alphabetical
 "layers.10" would sort before "layers.2"; the index is an array and keeps call order).
 The index is appended as the capture runs and flushed at step ends (at most once a second), so a
 capture killed midway still opens: `complete` is then false and readers refuse it unless asked not to.
-No pickle: strings, numbers and arrays only.
+Nothing in a file is ever deserialised as code: strings, numbers and arrays only.
 """
 from __future__ import annotations
 
