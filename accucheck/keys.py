@@ -96,6 +96,14 @@ class RecordKey:
                    int(op_index) if op_index is not None else None)
 
 
+_LAYER_BLOCK = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.\d+$")
+
+
+def is_layer_block(module: str) -> bool:
+    """A decoder-layer container ("model.layers.3"), not one of its submodules."""
+    return bool(_LAYER_BLOCK.search(module))
+
+
 def layer_of(module: str) -> int | None:
     """Decoder-layer number of a module path ("model.layers.10.mlp" -> 10), None outside layers."""
     m = re.search(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)", module)

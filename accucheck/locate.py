@@ -37,17 +37,15 @@ from __future__ import annotations
 import bisect
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from accucheck.diff import DiffResult, Progress, RecordDiff, diff_captures
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
-from accucheck.keys import RecordKey, layer_of
+from accucheck.keys import RecordKey, is_layer_block, layer_of
 from accucheck.metrics import TensorMetrics
 from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -159,11 +157,6 @@ def analyze(ref: str | os.PathLike, cand: str | os.PathLike,
     return Analysis(d, locate(d, amplification=amplification, top=top))
 
 
-def is_layer_module(module: str) -> bool:
-    """A decoder-layer container ("model.layers.3"), not one of its submodules."""
-    return bool(_LAYER_RE.search(module))
-
-
 def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
            top: int = 10) -> Location:
     if amplification < 1:
@@ -194,7 +187,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         LayerPoint(r.key.req, r.key.step, layer_of(r.key.module), r.key, r.error, r.cosine,
                    r.within)
         for r in diff.records
-        if r.key.role == "out" and r.key.op is None and is_layer_module(r.key.module)
+        if r.key.role == "out" and r.key.op is None and is_layer_block(r.key.module)
         and _first_slot(r.key) and layer_of(r.key.module) is not None)
     return Location(first, records, tuple(ranked), curve, amplification)
 

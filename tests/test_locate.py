@@ -7,7 +7,8 @@ import pytest
 
 import diffcases
 from accucheck.diff import diff_captures
-from accucheck.locate import analyze, is_layer_module, locate
+from accucheck.keys import is_layer_block
+from accucheck.locate import analyze, locate
 from test_diff import base, write
 
 
@@ -59,7 +60,7 @@ def test_planted_fault_is_named_as_introduced(caps, kind, module):
     assert fd.path[-1] == module.rsplit(".", 1)[0]  # the enclosing decoder layer
     # records downstream are over tolerance but inherited, not new culprits
     intro = {x.key.module for x in a.location.records if x.cause == "introduced"
-             and not is_layer_module(x.key.module)}
+             and not is_layer_block(x.key.module)}
     assert intro == {module}, intro
     assert a.location.top[0].key.module == module
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, layer_of
+from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, is_layer_block, layer_of
 from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
 _EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
@@ -38,9 +38,7 @@ def default_modules(model: nn.Module) -> list[str]:
     routers (a `gate` / `router` inside a layer's MLP: router logits, top-k weights and the
     chosen experts, where expert-selection flips show), the final norm. lm_head is left out:
     its output is the `logits` record."""
-    layer_blocks = {name for name, m in model.named_modules()
-                    if name and layer_of(name) is not None and name.split(".")[-1].isdigit()
-                    and name == _layer_block(name)}
+    layer_blocks = {name for name, _ in model.named_modules() if is_layer_block(name)}
     picked = []
     for name, mod in model.named_modules():
         if not name or type(mod).__name__.endswith(_SKIP_CLASSES):
@@ -54,14 +52,6 @@ def default_modules(model: nn.Module) -> list[str]:
                 or (leaf in _FINAL_NORM_NAMES and layer_of(name) is None):
             picked.append(name)
     return picked
-
-
-def _layer_block(name: str) -> str:
-    parts = name.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return name
 
 
 def select_modules(model: nn.Module, include: Sequence[str] | None = None,
@@ -194,7 +184,7 @@ class Recorder:
         pending = self._pending
         if self.graph:
             def hook_graph(_mod, *args):
-                obj = args[-1] if role == "out" else _inputs_of(args)
+                obj = args[-1] if role == "out" else inputs_of(args)
                 for slot, t in flatten(obj):
                     pending.append(_Pending(name, role, slot, "module", t.detach().clone(),
                                             None, None, "", ()))
@@ -203,7 +193,7 @@ class Recorder:
         full = self.full
 
         def hook_eager(_mod, *args):
-            obj = args[-1] if role == "out" else _inputs_of(args)
+            obj = args[-1] if role == "out" else inputs_of(args)
             for slot, t in flatten(obj):
                 host, dtype = to_host(t) if full else (None, str(t.dtype).replace("torch.", ""))
                 pending.append(_Pending(name, role, slot, "module", None, tensor_stats(t), host,
@@ -274,7 +264,7 @@ class Recorder:
         return len(items)
 
 
-def _inputs_of(args: tuple) -> dict:
+def inputs_of(args: tuple) -> dict:
     """Forward-pre-hook (with_kwargs) arguments `(positional, kwargs)` as one dict."""
     pos, kw = args
     out = {str(i): v for i, v in enumerate(pos)}

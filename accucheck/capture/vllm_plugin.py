@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from accucheck.capture.recorder import finish_stats, flatten, select_modules, tensor_stats, to_host
-from accucheck.keys import layer_of
+from accucheck.capture.recorder import (finish_stats, flatten, inputs_of, select_modules,
+                                        tensor_stats, to_host)
+from accucheck.keys import is_layer_block
 from accucheck.store import bf16_bits_to_float32
 
 ENV = "ACCUCHECK_VLLM_CAPTURE"
@@ -204,7 +205,7 @@ class Collector:
             def hook(_mod, *args):
                 if not active[0]:
                     return
-                obj = args[-1] if role == "out" else _inputs_of(args)
+                obj = args[-1] if role == "out" else inputs_of(args)
                 call = calls.get((name, role), 0)
                 calls[(name, role)] = call + 1
                 for slot, t in flatten(obj):
@@ -228,7 +229,7 @@ class Collector:
 
         def make_probe(name: str, role: str):
             def hook(_mod, *args):
-                obj = args[-1] if role == "out" else _inputs_of(args)
+                obj = args[-1] if role == "out" else inputs_of(args)
                 for slot, t in flatten(obj):
                     seen.append((name, role, slot, tuple(t.shape[1:]), t.dtype,
                                  t.shape[0] if t.dim() else -1))
@@ -266,7 +267,7 @@ class Collector:
 
         def make(name: str, role: str, slots: list[tuple[str, str]]):
             def hook(mod, *args):
-                obj = args[-1] if role == "out" else _inputs_of(args)
+                obj = args[-1] if role == "out" else inputs_of(args)
                 for (slot, t), (_s, attr) in zip(flatten(obj), slots):
                     if attr:
                         getattr(mod, attr)[: t.shape[0]].copy_(t)
@@ -382,24 +383,13 @@ def _hf_equivalent(items, s0: int, cnt: int):
                 yield name, role, call, slot, t
             continue
         d = dict(slots)
-        if _is_layer_block(name) and set(d) == {"0", "1"}:
+        if is_layer_block(name) and set(d) == {"0", "1"}:
             yield name, role, call, "0", d["0"] + d["1"]
             yield name, role, call, f"{VLLM_SLOT}.0", d["0"]
             yield name, role, call, f"{VLLM_SLOT}.1", d["1"]
             continue
         for slot, t in slots:
             yield name, role, call, slot if slot == "0" else f"{VLLM_SLOT}.{slot}", t
-
-
-def _is_layer_block(name: str) -> bool:
-    return layer_of(name) is not None and name.split(".")[-1].isdigit()
-
-
-def _inputs_of(args: tuple) -> dict:
-    pos, kw = args
-    out = {str(i): v for i, v in enumerate(pos)}
-    out.update(kw or {})
-    return out
 
 
 def _tp_rank_size() -> tuple[int, int]:
