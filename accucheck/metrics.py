@@ -34,7 +34,7 @@ DTYPE_EPS = {
     "bfloat16": 2.0 ** -7, "float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2,
 }
 _ULP_DTYPES = ("float64", "float32", "float16", "bfloat16")
-_BLOCK = 1 << 14  # elements per inner block of MetricAccumulator.add
+_BLOCK = 1 << 16  # elements per inner block of MetricAccumulator.add
 
 
 def is_float_dtype(dtype: str) -> bool:
