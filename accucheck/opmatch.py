@@ -95,12 +95,6 @@ class OpAlignment:
     def site(self, side: str, ident: str) -> str | None:
         return dict(self.sites).get(f"{side}:{ident}")
 
-    def cand_of(self, ref_ident: str) -> OpMatch | None:
-        for m in self.matches:
-            if m.ref == ref_ident:
-                return m
-        return None
-
     @property
     def n_fused(self) -> int:
         return sum(m.kind == "fused" for m in self.matches)

@@ -239,7 +239,7 @@ def _on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn
     if p is None:
         raise UserError("the model has no parameters")
     if p.device == device and (dtype is None or p.dtype == dtype):
-        return model.eval() if not model.training else copy.deepcopy(model).eval()
+        return copy.deepcopy(model).eval() if model.training else model
     m = copy.deepcopy(model)
     return m.to(device=device, dtype=dtype).eval() if dtype else m.to(device).eval()
 
