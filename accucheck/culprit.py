@@ -1,21 +1,22 @@
 """The culprit: which module and which operator inside it introduce the divergence, with
 evidence. Imports keys, diff, opmatch (and locate's types); never torch.
 
-`find_culprit(analysis)` -> `Culprit | None` (None when every record is within tolerance):
+`find_culprit(analysis)` -> `Culprit | None`. It is locate's first divergence, never another
+pick, so the headline, this block, the JSON and the sign-off report name the same thing:
 
-1. The module: with shadow records (capture --shadow), the first module record in execution
-   order whose LOCAL error (reference out vs candidate shadow: the module run on the reference's
-   inputs) exceeds its tolerance; otherwise the module of locate's first divergence.
-2. The op: among the op records of that module call (and of its recorded submodules, same
-   request and step), the one with the largest local error: its shadow error when shadow records
-   exist, else the error it adds over its input error (exact with op inputs recorded, a proxy
-   otherwise, see accucheck.locate).
-3. Evidence: output error, local error and its basis ("shadow" | "inputs" | "proxy"), inherited
-   (input) error, amplification = error / inherited, the golden label when a golden capture was
-   given, and the Python call site of the op on both sides (from the capture's op records).
-
-A culprit whose local error is below tolerance while its output error is above is reported
-with `local_within` True: the error is inherited, nobody here introduces it.
+1. The record: the first record in execution order that is over tolerance and introduced
+   (accucheck.locate). With op records it is the root operator: the first op inside the
+   module call whose local error exceeds its tolerance, not the op with the largest error.
+   None when nothing introduces a divergence (within tolerance, or diffuse / inherited).
+2. Evidence: output error, local error and its basis ("shadow" | "links" | "inputs" |
+   "proxy" | "none"), inherited (input) error, amplification = error / inherited, the golden
+   label when a golden capture was given, the Python call site of the op on both sides, a
+   precision finding when the two sides hold the record in different dtypes while the runs
+   share one ("candidate computes aten._softmax.default in float16, reference in float32"),
+   and the ops next to it that run on one side only (a cast the reference does not do), with
+   their call sites.
+3. Next step: a module culprit without op records inside gets the narrowing command (capture
+   that module at --level op, with --shadow on the candidate's machine).
 """
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ class Culprit:
     call: int
     module_error: float | None        # the module output's rel_l2 (None: not recorded)
     module_local: float | None        # its shadow rel_l2 (None: no shadow record)
-    op: str | None                    # "aten.silu.default"; None when no op record there
+    op: str | None                    # "aten.silu.default"; None when not an op record
     op_key: RecordKey | None          # reference key of the op's output
     cand_key: RecordKey | None        # candidate key when alignment paired another index / op
     error: float                      # rel_l2 of the named record (op, else module)
     local_error: float | None
-    local_basis: str                  # "shadow" | "inputs" | "proxy" | "none"
+    local_basis: str                  # "shadow" | "links" | "inputs" | "proxy" | "none"
     inherited_error: float | None
     tolerance: float
     golden: str | None                # golden label of the named record
@@ -52,6 +53,9 @@ class Culprit:
     site_cand: str | None
     ops_compared: int                 # aligned op records of that module call
     ops_one_sided: int                # op calls of that module call on one side only
+    precision: str | None = None      # precision finding on the named record, if any
+    neighbours: tuple[str, ...] = ()  # one-sided ops right next to the named op (with sites)
+    next_step: str | None = None      # the narrowing command for a module culprit
 
     @property
     def amplification(self) -> float:
@@ -72,8 +76,10 @@ class Culprit:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["op_key"] = str(self.op_key) if self.op_key is not None else None
         d["cand_key"] = str(self.cand_key) if self.cand_key is not None else None
+        d["neighbours"] = list(self.neighbours)
         d["amplification"] = self.amplification
         d["local_within"] = self.local_within
+        d["where"] = self.where
         return d
 
 
@@ -82,56 +88,70 @@ def _local(r: RecordDiff, loc: "RecordLocation") -> tuple[float, str]:
         return r.shadow.rel_l2, "shadow"
     if loc.input_error is None:
         return r.error, "none"
-    basis = "inputs" if loc.input_from and all(":in." in s for s in loc.input_from) else "proxy"
-    return loc.introduced, basis
+    return loc.introduced, loc.input_basis
+
+
+def precision_finding(r: RecordDiff, compute: tuple) -> str | None:
+    """"candidate computes aten._softmax.default in float16, reference in float32" when the two
+    sides hold `r` in different floating dtypes while the runs share one."""
+    if not r.dtype_mismatch or compute[0] is None or compute[0] != compute[1]:
+        return None
+    what = r.key.op or r.key.module
+    return (f"candidate computes {what} in {r.cand_dtype}, reference in {r.ref_dtype} "
+            f"(both runs {compute[0]})")
+
+
+def _op_index(ident: str) -> int:
+    return int(ident.rsplit("@", 1)[1])
 
 
 def find_culprit(a: "Analysis") -> Culprit | None:
     d, L = a.diff, a.location
-    locs = {str(x.key): x for x in L.records}
-    recs = sorted((r for r in d.records if r.key.role != "in"),
-                  key=lambda r: (r.key.step, r.key.req, r.order))
-    if d.within and not d.failed:
+    fd = L.first_divergence
+    if fd is None:
         return None
-    target: RecordDiff | None = None
-    shadowed = [r for r in recs if r.key.op is None and r.shadow is not None]
-    if shadowed:
-        target = next((r for r in shadowed if r.shadow.rel_l2 > r.tolerance.rel_l2), None)
-    if target is None:
-        fd = L.first_divergence
-        if fd is None:
-            return None
-        target = d.record(fd.key)
+    locs = {str(x.key): x for x in L.records}
+    target = d.record(fd.key)
     k = target.key
     req, step, module, call = k.req, k.step, k.module, k.call
     mod_rec = target if k.op is None else next(
-        (r for r in recs if r.key.op is None and r.key.role == "out" and r.key.req == req
+        (r for r in d.records if r.key.op is None and r.key.role == "out" and r.key.req == req
          and r.key.step == step and r.key.module == module and r.key.call == call), None)
-    ops = [r for r in recs if r.key.op is not None and r.key.role == "out"
+    ops = [r for r in d.records if r.key.op is not None and r.key.role == "out"
            and r.key.req == req and r.key.step == step
            and ((r.key.module == module and r.key.call == call)
                 or r.key.module.startswith(module + "."))]
-    named = mod_rec if mod_rec is not None else target
-    if ops:
-        named = max(ops, key=lambda r: (_local(r, locs[str(r.key)])[0], -r.order))
-    loc = locs[str(named.key)]
-    local, basis = _local(named, loc)
-    one = 0
-    site_ref = site_cand = None
+    loc = locs[str(target.key)]
+    local, basis = _local(target, loc)
+    one, site_ref, site_cand, neighbours = 0, None, None, []
     prefix = f"r{req}.s{step}:{module}#{call}/"
     if d.ops is not None:
-        one = sum(o.ident.startswith(prefix) for o in d.ops.one_sided)
-        if named.key.op is not None:
-            site_ref = d.ops.site("ref", op_ident(named.key))
-            site_cand = d.ops.site("cand", op_ident(named.cand_key or named.key))
+        here = [o for o in d.ops.one_sided if o.ident.startswith(prefix)]
+        one = len(here)
+        if k.op is not None:
+            site_ref = d.ops.site("ref", op_ident(k))
+            site_cand = d.ops.site("cand", op_ident(target.cand_key or k))
+            idx = {"ref": k.op_index, "cand": (target.cand_key or k).op_index}
+            for o in here:
+                if abs(_op_index(o.ident) - idx[o.only_in]) == 1:
+                    neighbours.append(f"{o.only_in} only: {o.ident.split('/', 1)[1]}"
+                                      + (f" at {o.site}" if o.site else ""))
+    next_step = None
+    if k.op is None and not ops and target.basis != "shape":
+        next_step = (f"accucheck capture MODEL --include '{module}' --level op --store full "
+                     f"--inputs -o ref-op.h5   # reference machine\n"
+                     f"accucheck capture MODEL --include '{module}' --level op --store full "
+                     f"--shadow ref-op.h5 -o cand-op.h5   # candidate machine\n"
+                     f"accucheck diff ref-op.h5 cand-op.h5   # names the operator")
     return Culprit(
         req, step, module, call,
         mod_rec.error if mod_rec is not None else None,
         mod_rec.shadow.rel_l2 if mod_rec is not None and mod_rec.shadow is not None else None,
-        named.key.op, named.key if named.key.op is not None else None, named.cand_key,
-        named.error, local, basis, loc.input_error, named.tolerance.rel_l2,
-        named.golden.label if named.golden is not None else None, site_ref, site_cand,
-        len(ops), one)
+        k.op, k if k.op is not None else None, target.cand_key,
+        target.error, local, basis, loc.input_error, target.tolerance.rel_l2,
+        target.golden.label if target.golden is not None else None, site_ref, site_cand,
+        len(ops), one, precision_finding(target, d.compute_dtypes), tuple(neighbours),
+        next_step)
 
 
 def culprit_lines(c: Culprit) -> list[str]:
@@ -145,15 +165,16 @@ def culprit_lines(c: Culprit) -> list[str]:
 
     head = (f"CULPRIT: step {c.step}, " + (f"request {c.req}, " if c.req else "") + c.where)
     lines = [head]
-    if c.op is not None:
-        lines.append(f"  op output rel_l2 {g(c.error)}; local {g(c.local_error)} "
-                     f"({c.local_basis}); inherited {g(c.inherited_error)}; amplification "
-                     f"{g(c.amplification)}; tolerance {g(c.tolerance)}"
-                     + (" -> error inherited, not introduced here" if c.local_within else ""))
-    if c.module_error is not None:
+    what = "op" if c.op is not None else "module"
+    lines.append(f"  {what} output rel_l2 {g(c.error)}; local {g(c.local_error)} "
+                 f"({c.local_basis}); inherited {g(c.inherited_error)}; amplification "
+                 f"{g(c.amplification)}; tolerance {g(c.tolerance)}")
+    if c.op is not None and c.module_error is not None:
         lines.append(f"  module output rel_l2 {g(c.module_error)}"
                      + (f"; module local (shadow) {g(c.module_local)}"
                         if c.module_local is not None else ""))
+    if c.precision:
+        lines.append(f"  precision: {c.precision}")
     if c.golden:
         lines.append(f"  golden referee: {c.golden}")
     if c.site_ref or c.site_cand:
@@ -162,7 +183,12 @@ def culprit_lines(c: Culprit) -> list[str]:
                      else f"  call site: ref {c.site_ref or '-'} | cand {c.site_cand}")
     if c.cand_key is not None:
         lines.append(f"  candidate op: {c.cand_key} (aligned across fused / shifted ops)")
+    for n in c.neighbours:
+        lines.append(f"  next to it, {n}")
     if c.ops_one_sided:
         lines.append(f"  {c.ops_one_sided} op calls in this module on one side only "
                      f"(fused / absent)")
+    if c.next_step:
+        lines.append("  next, to name the operator (same prompts, --tokens-from as before):")
+        lines += [f"    {x}" for x in c.next_step.splitlines()]
     return lines

@@ -24,6 +24,7 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,8 +34,8 @@ import numpy as np
 
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
-from accucheck.metrics import (MetricAccumulator, TensorMetrics, kl_div, logit_noise,
-                               top2_margin, topk_overlap)
+from accucheck.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
+                               logit_noise, top2_margin, topk_overlap)
 from accucheck.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
@@ -87,6 +88,8 @@ class RecordDiff:
     golden: GoldenLabel | None = None
     cand_key: RecordKey | None = None     # op records: the candidate's key when alignment
                                           # paired another op index / op (accucheck.opmatch)
+    src: tuple[tuple[str, str], ...] = ()  # (input slot, producer key) links stored by the
+                                           # capture (/index/extra "src"), same request/step
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "sample", "stats", "shape"):
@@ -111,7 +114,8 @@ class RecordDiff:
         return self.metrics.cosine if self.metrics is not None else None
 
     @property
-    def within(self) -> bool:
+    def within_tolerance(self) -> bool:
+        """The tolerance's verdict alone (what `within` is without a golden referee)."""
         if self.basis == "tensor":
             return self.tolerance.within(self.metrics)
         stats_ok = (self.stats is not None and self.stats.nan_inf_mismatch == 0
@@ -120,8 +124,26 @@ class RecordDiff:
             return stats_ok and self.tolerance.within(self.metrics)
         return stats_ok
 
-    def __bool__(self) -> bool:
-        return self.within
+    @property
+    def refereed(self) -> bool:
+        """A golden referee judged this record (exact tensors on all three sides)."""
+        return self.golden is not None and self.golden.label in GOLDEN_LABELS
+
+    @property
+    def within(self) -> bool:
+        """With a golden referee: fails only when the candidate is worse than the reference
+        against the golden (or NaN/Inf positions differ). Without: the tolerance decides.
+        No __bool__ on purpose: a falsy record inside `x or fallback` once picked the wrong
+        culprit; ask `within` explicitly."""
+        if self.refereed and self.basis == "tensor":
+            return self.golden.label != "cand worse" and not self.metrics.nan_inf_mismatch
+        return self.within_tolerance
+
+    @property
+    def dtype_mismatch(self) -> bool:
+        """The two sides hold this record in different floating dtypes."""
+        return self.ref_dtype != self.cand_dtype and all(
+            d in DTYPE_EPS for d in (self.ref_dtype, self.cand_dtype))
 
 
 @dataclass(frozen=True)
@@ -205,6 +227,17 @@ class DiffResult:
     notes: tuple[str, ...]                   # things the reader must know (said loudly)
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
     ops: OpAlignment | None = None           # op-level alignment (accucheck.opmatch), if any
+    compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
+
+    @property
+    def precision_findings(self) -> tuple[RecordDiff, ...]:
+        """Records held in another floating dtype on each side while both runs compute in the
+        same dtype: e.g. the candidate's softmax in float16 inside a float32 model. A finding
+        in itself (a kernel downgraded precision), never a reason to loosen the tolerance."""
+        a, b = self.compute_dtypes
+        if a is None or a != b:
+            return ()
+        return tuple(r for r in self.records if r.dtype_mismatch)
 
     @property
     def basis(self) -> str:
@@ -223,9 +256,6 @@ class DiffResult:
     @property
     def within(self) -> bool:
         return not self.failed and not self.real_flip
-
-    def __bool__(self) -> bool:
-        return self.within
 
     def record(self, key: RecordKey | str) -> RecordDiff:
         for r in self.records:
@@ -414,14 +444,15 @@ class _Differ:
         return DiffResult(str(self.R.path), str(self.C.path),
                           str(self.G.path) if self.G is not None else None,
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
-                          skipped, tuple(self.notes), self.tol, ops)
+                          skipped, tuple(self.notes), self.tol, ops, self.compute)
 
     def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
                  shadow: IndexRow | None) -> tuple[RecordDiff, LogitsStep | None]:
-        tol = self.tol.for_record(ra.key, (ra.dtype, ca.dtype) + self.compute)
+        tol = self.tol.for_record(ra.key, self._tolerance_dtypes(ra.dtype, ca.dtype))
         base = dict(key=ra.key, kind=ra.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
-                    tolerance=tol, cand_key=ca.key if ca.key != ra.key else None)
+                    tolerance=tol, cand_key=ca.key if ca.key != ra.key else None,
+                    src=_links(ra) or _links(ca))
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
         if not (ra.has_data and ca.has_data):
@@ -461,10 +492,23 @@ class _Differ:
         shadow_m = self._shadow(ra, shadow) if shadow is not None else None
         glabel = None
         if grow is not None:
-            glabel = _golden_label(gsum, metrics.numel, tol, ra.dtype, ca.dtype) if use_golden \
-                else GoldenLabel("n/a", None, None, _multiplier(ra.dtype, ca.dtype))
+            mult = _multiplier(*self._tolerance_dtypes(ra.dtype, ca.dtype))
+            glabel = _golden_label(gsum, metrics.numel, tol, mult) if use_golden \
+                else GoldenLabel("n/a", None, None, mult)
         rd = RecordDiff(basis="tensor", metrics=metrics, shadow=shadow_m, golden=glabel, **base)
         return rd, (LogitsStep(ra.key, tuple(positions)) if is_logits else None)
+
+    def _tolerance_dtypes(self, ref_dtype: str, cand_dtype: str) -> tuple[str | None, ...]:
+        """The dtypes whose loosest picks a record's tolerance: the two runs' compute dtypes
+        (their meta "dtype"), not the record pair's own dtypes, so a record that one side
+        computes in a lower precision is judged at the run's precision (and reported as a
+        precision finding). Integer / bool records stay exact; captures without a meta dtype
+        fall back to the record dtypes."""
+        if ref_dtype not in DTYPE_EPS and cand_dtype not in DTYPE_EPS:
+            return (ref_dtype, cand_dtype)
+        if all(self.compute):
+            return self.compute
+        return (ref_dtype, cand_dtype) + self.compute
 
     def _shadow(self, ra: IndexRow, sh: IndexRow) -> TensorMetrics | None:
         if sh.shape != ra.shape or not (ra.has_data and sh.has_data):
@@ -530,8 +574,7 @@ def _multiplier(*dtypes: str) -> float:
     return GOLDEN_MULTIPLIER.get(loosest_dtype(dtypes), 3.0)
 
 
-def _golden_label(gsum: np.ndarray, n: int, tol: Tolerance, *dtypes: str) -> GoldenLabel:
-    mult = _multiplier(*dtypes)
+def _golden_label(gsum: np.ndarray, n: int, tol: Tolerance, mult: float) -> GoldenLabel:
     n = max(n, 1)
     er, ec, gg = (math.sqrt(max(x, 0.0) / n) for x in gsum)
     floor = 0.1 * tol.rel_l2 * gg  # noise floor: a tenth of the tolerance, in RMS terms
@@ -567,6 +610,20 @@ def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
     bound = cands[name]
     rel = bound / a.l2 if a.l2 > 0 else (math.inf if bound > 0 else 0.0)
     return StatsDelta(False, rel, name if bound > 0 else None, naninf)
+
+
+def _links(row: IndexRow) -> tuple[tuple[str, str], ...]:
+    """(input slot, producer key) from a record's /index/extra "src" (sites of the same request
+    and step, see accucheck.capture.recorder); () when the capture stored none."""
+    if not row.extra or '"src"' not in row.extra:
+        return ()
+    try:
+        src = json.loads(row.extra).get("src") or {}
+    except (ValueError, AttributeError):
+        return ()
+    prefix = f"r{row.key.req}.s{row.key.step}:"
+    return tuple((str(slot), prefix + str(site)) for slot, site in src.items()
+                 if isinstance(site, str))
 
 
 def _meta_dtype(meta: dict) -> str | None:

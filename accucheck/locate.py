@@ -3,32 +3,41 @@
 `locate(diff_result)` -> `Location`; `analyze(ref, cand, golden=None, ...)` -> `Analysis` (diff +
 locate in one call: what the CLI runs).
 
-Input error of a record (per request and step, no model-specific names):
-- its recorded input (role "in" records of the same module call, captured with --inputs) when
-  present;
-- otherwise the residual-stream proxy: the largest error among the records that ran before it
-  under the same parent (its preceding siblings) and the parent's own input error. The parent is
-  the deepest recorded enclosing module (an op's parent is its module call). For a Llama layer
-  this gives: input_layernorm <- previous layer output, self_attn <- input_layernorm,
-  post_attention_layernorm <- max(self_attn, layer input) (its input is residual + attention),
-  mlp <- post_attention_layernorm, layer i <- layer i-1; ops inside a module <- earlier ops in
-  that call and the module's input. Over-estimating an input error can only turn "introduced"
-  into "inherited", never invent a culprit;
+Input error of a record (per request and step, no model-specific names), from what feeds it:
+- "inputs": its recorded inputs (role "in" records of the same module / op call);
+- "links": the producers the capture linked its inputs to (/index/extra "src": the earlier
+  recorded output, or recorded input, that each floating input tensor IS; see
+  accucheck.capture.recorder); with both, the larger;
+- "proxy" (captures without links: graph mode, vLLM, older files): the immediately preceding
+  record under the same parent (the previous record on the residual stream), else the
+  parent's own input error. The parent is the deepest recorded enclosing module (an op's
+  parent is its module call). A proxy can over- or under-state; links are exact;
 - at decode steps (step > 0) also the error of the same site at earlier steps (state such as a
   KV cache carries it);
-- none (first record of its step with no recorded input): input error unknown, treated as exact.
+- "none" (first record of its step, nothing feeds it): input error unknown, treated as exact.
 
-A record over tolerance is "introduced" when its error exceeds `amplification` (default 4) times
-what explains it: its input error and, for a container (a decoder layer, a module with recorded
-ops), the largest error among its recorded children; else "inherited". A container is thus
-blamed only when none of its recorded children carries the error (e.g. a wrong residual add). With shadow records (--shadow), the local error decides:
-introduced when the shadow error itself is over tolerance.
+A record over tolerance is "introduced" when its error exceeds `amplification` (default 4)
+times what explains it: its input error and, for a container (a decoder layer, a module with
+recorded children or ops), the largest error among its recorded children; else "inherited".
+A container is thus blamed only when none of its recorded children carries the error (e.g. a
+wrong residual add). With shadow records (--shadow), the local error decides: introduced when
+the shadow error itself is over tolerance.
 
-The first divergence is the first record, in execution order (earliest step, then request),
-that is over tolerance and introduced; children run (and are recorded) before their enclosing
-module, so the walk meets decoder layer -> submodule -> op from the inside: the deepest
-recorded culprit is named. When nothing is introduced, the first over-tolerance record is
-reported as "inherited" (the error comes from before the first record, or grew gradually).
+The first divergence is the first record, in execution order (earliest step, then request,
+then capture order), that is over tolerance AND introduced; children run (and are recorded)
+before their enclosing module and ops before their module's output, so the walk names the
+innermost recorded culprit, and inside it the first op that introduces the error (the root,
+not the largest). With a golden referee, "over tolerance" means the referee marks the record
+"cand worse" (accucheck.diff). When records are over tolerance but none introduces the error,
+there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
+shows first and where it is largest, and no culprit is named.
+
+Noise floor (no golden referee): a record whose local error (shadow error, else error minus
+what explains it) stands far above the local errors the same diff measures at its peers (same
+module kind, operator and slot in other layers: the site with its layer numbers wildcarded,
+every step and request) is "suspicious", also within tolerance. The rule's numbers are in
+accucheck.tolerances (NOISE_FLOOR_*).
+
 Errors are tensor-level rel_l2 (or its proven lower bound from statistics): a moved minimum or
 a single near-zero element never makes a culprit on its own.
 """
@@ -37,6 +46,8 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import re
+import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -44,12 +55,16 @@ from accucheck.diff import DiffResult, Progress, RecordDiff, diff_captures
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
 from accucheck.keys import RecordKey, is_layer_block, layer_of
 from accucheck.metrics import TensorMetrics
-from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
+from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+                                  NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
+                                  ToleranceTable)
 
+INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
 
 
 @dataclass(frozen=True)
 class RecordLocation:
+    """Where one record's error comes from. No __bool__: ask `within` / `cause`."""
     key: RecordKey
     error: float                  # rel_l2 (or its statistics lower bound)
     input_error: float | None     # None: unknown (treated as exact)
@@ -58,6 +73,7 @@ class RecordLocation:
     cause: str | None             # "introduced" | "inherited" | None when within tolerance
     introduced: float             # local error: shadow rel_l2, else max(0, error - explained)
     inner_error: float | None = None  # largest error among recorded children (containers)
+    input_basis: str = "none"     # one of INPUT_BASES: how input_error was found
 
     @property
     def explained(self) -> float:
@@ -84,6 +100,7 @@ class Divergence:
     metrics: TensorMetrics | None
     path: tuple[str, ...]         # enclosing modules, outermost first (decoder layer, ...)
     inner_error: float | None = None
+    input_basis: str = "none"
 
     @property
     def module(self) -> str:
@@ -100,6 +117,24 @@ class Divergence:
 
 
 @dataclass(frozen=True)
+class Suspicious:
+    """A record whose local error is far above its peers' (the noise-floor rule)."""
+    key: RecordKey
+    error: float
+    local: float                  # its local (introduced) error
+    peers_median: float           # median local error of its peers
+    peers: int                    # peer records (same kind, other sites)
+    peer_sites: int
+    kind: str                     # the peer group: site with layer numbers wildcarded
+    tolerance: float
+    within: bool                  # within tolerance (else it is also over tolerance)
+
+    @property
+    def ratio(self) -> float:
+        return self.local / self.peers_median if self.peers_median > 0 else math.inf
+
+
+@dataclass(frozen=True)
 class LayerPoint:
     req: int
     step: int
@@ -112,16 +147,25 @@ class LayerPoint:
 
 @dataclass(frozen=True)
 class Location:
-    first_divergence: Divergence | None
+    first_divergence: Divergence | None   # first introduced record over tolerance; else None
     records: tuple[RecordLocation, ...]   # same order as DiffResult.records
     top: tuple[RecordLocation, ...]       # largest introduced error first (over zero only)
     curve: tuple[LayerPoint, ...]         # decoder-layer outputs per request and step
     amplification: float
+    first_over: Divergence | None = None  # first record over tolerance (introduced or not)
+    worst: Divergence | None = None       # largest error / tolerance among those over
+    suspicious: tuple[Suspicious, ...] = ()  # noise-floor outliers, execution order
+
+    @property
+    def diffuse(self) -> bool:
+        """Records are over tolerance, but none introduces the error (inherited / gradual)."""
+        return self.first_divergence is None and self.first_over is not None
 
 
 @dataclass(frozen=True)
 class Analysis:
-    """A diff and its location: what `accucheck diff` renders. bool() = within tolerance."""
+    """A diff and its location: what `accucheck diff` renders. The one verdict: headline,
+    culprit, JSON and sign-off all read it from here. bool() = within tolerance."""
     diff: DiffResult
     location: Location
 
@@ -139,7 +183,7 @@ class Analysis:
     @property
     def culprit(self):
         """Module + operator blamed, with evidence (accucheck.culprit.Culprit); None when
-        within tolerance."""
+        nothing introduces a divergence (within tolerance, or diffuse / inherited)."""
         from accucheck.culprit import find_culprit  # culprit imports this module's types
 
         return find_culprit(self)
@@ -161,6 +205,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
            top: int = 10) -> Location:
     if amplification < 1:
         raise ValueError("amplification must be >= 1")
+    errs = {str(r.key): r.error for r in diff.records}
     groups: dict[tuple[int, int], list[RecordDiff]] = {}
     for r in diff.records:
         groups.setdefault((r.key.req, r.key.step), []).append(r)
@@ -168,19 +213,22 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
     site_err: dict[tuple[int, str], list[tuple[int, float]]] = {}  # (req, site) -> (step, err)
     paths: dict[str, tuple[str, ...]] = {}
     for (req, step) in sorted(groups, key=lambda g: (g[1], g[0])):
-        _locate_group(groups[(req, step)], amplification, locs, site_err, paths)
+        _locate_group(groups[(req, step)], amplification, errs, locs, site_err, paths)
     records = tuple(locs[str(r.key)] for r in diff.records)
 
-    first = None
     ordered = sorted(diff.records, key=lambda r: (r.key.step, r.key.req, r.order))
     over = [r for r in ordered if not r.within and r.key.role != "in"]
-    pick = next((r for r in over if locs[str(r.key)].cause == "introduced"), None) \
-        or (over[0] if over else None)
-    if pick is not None:
-        loc = locs[str(pick.key)]
-        first = Divergence(pick.key, loc.cause or "inherited", pick.error, loc.input_error,
-                           loc.input_from, pick.tolerance.rel_l2, pick.basis, pick.metrics,
-                           paths.get(str(pick.key), ()), loc.inner_error)
+    intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
+    worst = max(over, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
+
+    def divergence(r: RecordDiff | None) -> Divergence | None:
+        if r is None:
+            return None
+        loc = locs[str(r.key)]
+        return Divergence(r.key, loc.cause or "inherited", r.error, loc.input_error,
+                          loc.input_from, r.tolerance.rel_l2, r.basis, r.metrics,
+                          paths.get(str(r.key), ()), loc.inner_error, loc.input_basis)
+
     ranked = sorted((x for x in records if x.introduced > 0 and x.key.role != "in"),
                     key=lambda x: -x.introduced)[:top]
     curve = tuple(
@@ -189,17 +237,65 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         for r in diff.records
         if r.key.role == "out" and r.key.op is None and is_layer_block(r.key.module)
         and _first_slot(r.key) and layer_of(r.key.module) is not None)
-    return Location(first, records, tuple(ranked), curve, amplification)
+    sus = () if diff.golden_path is not None else noise_floor(diff, locs, amplification)
+    return Location(divergence(intro), records, tuple(ranked), curve, amplification,
+                    divergence(over[0] if over else None), divergence(worst), sus)
 
 
 def _first_slot(key: RecordKey) -> bool:
     return key.slot in ("0", "hidden_states") or key.slot.split(".")[0] == "0"
 
 
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def peer_kind(key: RecordKey) -> str:
+    """The site with every numeric path component wildcarded ("model.layers.*.mlp.down_proj
+    #0:out.0"): records of one module kind, operator and slot across layers (and experts)."""
+    op = f"/{key.op}@{key.op_index}" if key.op is not None else ""
+    return f"{_INDEX.sub('.*', key.module)}#{key.call}{op}:{key.role}.{key.slot}"
+
+
+def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
+                amplification: float = DEFAULT_AMPLIFICATION, *, factor: float = NOISE_FLOOR_FACTOR,
+                min_fraction: float = NOISE_FLOOR_MIN_FRACTION,
+                min_peers: int = NOISE_FLOOR_MIN_PEERS) -> tuple[Suspicious, ...]:
+    """Records whose local error exceeds `factor` x the median local error of their peers
+    (same `peer_kind`, other sites) and `min_fraction` x their tolerance, and which are not
+    explained by their inputs (error > amplification x input error, like "introduced").
+    Groups with fewer than `min_peers` other sites are not judged (no noise to compare with).
+    Records already introduced over tolerance are left out: they are the first divergence."""
+    by_kind: dict[str, list[tuple[RecordDiff, RecordLocation]]] = {}
+    for r in diff.records:
+        if r.key.role == "in" or r.basis == "shape" or r.key.is_logits:
+            continue
+        loc = locs[str(r.key)]
+        if loc.input_basis == "none":
+            continue
+        by_kind.setdefault(peer_kind(r.key), []).append((r, loc))
+    out = []
+    for kind, items in by_kind.items():
+        sites = {x.key.site for x, _ in items}
+        if len(sites) < min_peers + 1:
+            continue
+        for r, loc in items:
+            if loc.cause == "introduced" or loc.introduced <= min_fraction * r.tolerance.rel_l2:
+                continue
+            if r.shadow is None and loc.error <= loc.explained * amplification:
+                continue
+            peers = [y.introduced for x, y in items if x.key.site != r.key.site]
+            med = statistics.median(peers)
+            if loc.introduced > factor * med:
+                out.append(Suspicious(r.key, r.error, loc.introduced, med, len(peers),
+                                      len(sites) - 1, kind, r.tolerance.rel_l2, r.within))
+    order = {str(r.key): r.order for r in diff.records}
+    return tuple(sorted(out, key=lambda s: (s.key.step, s.key.req, order[str(s.key)])))
+
+
 class _Node:
     """One module call (or op call) in a step: its output records and recorded inputs."""
     __slots__ = ("module", "call", "op", "op_index", "outs", "ins", "order", "parent",
-                 "children", "input_error", "input_from", "done")
+                 "children", "input_error", "input_from", "input_basis", "done")
 
     def __init__(self, key: RecordKey, order: int):
         self.module, self.call, self.op, self.op_index = key.module, key.call, key.op, key.op_index
@@ -210,15 +306,16 @@ class _Node:
         self.children: list[_Node] = []
         self.input_error: float | None = None
         self.input_from: tuple[str, ...] = ()
+        self.input_basis = "none"
         self.done = False
-
-    @property
-    def ident(self) -> tuple:
-        return (self.module, self.call, self.op, self.op_index)
 
     @property
     def error(self) -> float:
         return max((r.error for r in self.outs), default=0.0)
+
+    @property
+    def links(self) -> tuple[tuple[str, str], ...]:
+        return next((r.src for r in self.outs if r.src), ())
 
     def encloses(self, other: "_Node") -> bool:
         if self.op is not None:
@@ -228,8 +325,8 @@ class _Node:
         return other.module.startswith(self.module + ".")
 
 
-def _locate_group(recs: list[RecordDiff], amp: float, locs: dict, site_err: dict,
-                  paths: dict) -> None:
+def _locate_group(recs: list[RecordDiff], amp: float, errs: dict[str, float], locs: dict,
+                  site_err: dict, paths: dict) -> None:
     nodes: dict[tuple, _Node] = {}
     ins: dict[tuple, list[RecordDiff]] = {}
     for r in sorted(recs, key=lambda r: r.order):
@@ -272,27 +369,39 @@ def _locate_group(recs: list[RecordDiff], amp: float, locs: dict, site_err: dict
         if n.done:
             return
         n.done = True
-        if n.ins:
-            err = max(r.error for r in n.ins)
-            src = [str(r.key) for r in n.ins]
-        else:
-            err, src = None, []
+        found = [(r.error, str(r.key)) for r in n.ins]
+        linked = [(errs[p], p) for _, p in n.links if p in errs]
+        found += linked
+        basis = "links" if linked else "inputs" if found else "none"
+        # a producer not compared (--include / --step / one side only), or no link at all:
+        # also the immediately preceding record under the same parent, else what feeds the
+        # parent (over-stating an input error can only turn "introduced" into "inherited")
+        if not found or len(linked) < len(n.links):
+            prev = None
             for s in siblings:
                 if s.order >= n.order:
                     break
-                if s.outs and (err is None or s.error > err):
-                    err, src = s.error, [str(s.outs[0].key)]
-            if n.parent is not None:
+                if s.outs:
+                    prev = s
+            if prev is not None:
+                found.append((prev.error, str(prev.outs[0].key)))
+            elif n.parent is not None:
                 resolve(n.parent, _siblings(n.parent, roots))
-                if n.parent.input_error is not None and (err is None
-                                                         or n.parent.input_error > err):
-                    err, src = n.parent.input_error, list(n.parent.input_from)
+                if n.parent.input_error is not None:
+                    found += [(n.parent.input_error, f) for f in n.parent.input_from]
+            if found and basis == "none":
+                basis = "proxy"
         # State carried from earlier steps (KV cache): the same site's error at earlier steps.
         for r in n.outs:
             for st, e in site_err.get((r.key.req, r.key.site), ()):
-                if st < r.key.step and (err is None or e > err):
-                    err, src = e, [f"{r.key.site} at step {st}"]
-        n.input_error, n.input_from = err, tuple(src)
+                if st < r.key.step:
+                    found.append((e, f"{r.key.site} at step {st}"))
+                    basis = "proxy" if basis == "none" else basis
+        if found:
+            err = max(e for e, _ in found)
+            n.input_error = err
+            n.input_from = tuple(dict.fromkeys(f for e, f in found if e == err))
+        n.input_basis = basis
 
     for n in seq:
         resolve(n, _siblings(n, roots))
@@ -304,7 +413,8 @@ def _locate_group(recs: list[RecordDiff], amp: float, locs: dict, site_err: dict
             p = p.parent
         inner = max((c.error for c in n.children if c.outs), default=None)
         for r in n.outs:
-            locs[str(r.key)] = _classify(r, n.input_error, n.input_from, inner, amp)
+            locs[str(r.key)] = _classify(r, n.input_error, n.input_from, n.input_basis, inner,
+                                         amp)
             paths[str(r.key)] = tuple(reversed(chain))
             site_err.setdefault((r.key.req, r.key.site), []).append((r.key.step, r.error))
     for rs in ins.values():
@@ -318,12 +428,13 @@ def _siblings(n: _Node, roots: list[_Node]) -> list[_Node]:
 
 
 def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, ...],
-              inner: float | None, amp: float) -> RecordLocation:
+              input_basis: str, inner: float | None, amp: float) -> RecordLocation:
     err = r.error
     explained = max(input_error or 0.0, inner or 0.0)
     if r.shadow is not None:
         local = r.shadow.rel_l2
         introduced = local
+        input_basis = "shadow"
         cause = None if r.within else (
             "introduced" if local > r.tolerance.rel_l2 else "inherited")
     else:
@@ -335,4 +446,4 @@ def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, .
         else:
             cause = "inherited"
     return RecordLocation(r.key, err, input_error, input_from, r.within, cause, introduced,
-                          inner)
+                          inner, input_basis)

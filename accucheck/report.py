@@ -69,7 +69,8 @@ def _where(fd: Divergence) -> str:
 
 
 def verdict_line(a: Analysis) -> str:
-    d, fd = a.diff, a.location.first_divergence
+    d, L = a.diff, a.location
+    fd = L.first_divergence
     n = len(d.records)
     weaker = ""
     if d.basis in ("stats", "sample", "mixed"):
@@ -80,11 +81,28 @@ def verdict_line(a: Analysis) -> str:
                     default=None)
         w = (f"; worst rel_l2 {_g(worst.error)} at {worst.key} (tolerance "
              f"{_g(worst.tolerance.rel_l2)})") if worst is not None else ""
+        ref = sum(r.refereed and not r.within_tolerance for r in d.records)
+        refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
+                    f"referee") if ref else ""
         flip = ""
         if d.first_flip is not None:
             flip = (f"; near-tie token flip at request {d.first_flip.req} step "
                     f"{d.first_flip.step}")
-        return f"PASS: {n} records within tolerance{w}{flip}{weaker}"
+        sus = ""
+        if L.suspicious:
+            s = L.suspicious[0]
+            sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
+                   f"peers, first {s.key} local {_g(s.local)} = {_g(s.ratio)}x its peers' median")
+        return f"PASS: {n} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
+    if fd is None and L.first_over is not None:
+        fo, wo = L.first_over, L.worst
+        inp = _g(fo.input_error) if fo.input_error is not None else "unknown"
+        largest = "" if wo is None or wo.key == fo.key else \
+            f"; largest at {_where(wo)}: rel_l2 {_g(wo.error)}"
+        return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
+                f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {_g(fo.error)}, "
+                f"input rel_l2 {inp}{largest} [tolerance {_g(fo.tolerance)}]; no culprit "
+                f"named{weaker}")
     if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
         f = next((f for f in d.flips if f.near_tie is not True), None)
         if f is None:
@@ -99,15 +117,15 @@ def verdict_line(a: Analysis) -> str:
         return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
                 f"{list(r.cand_shape)}{weaker}")
     bound = {"stats": "rel_l2 >= ", "sample": "rel_l2 ~ "}.get(fd.basis, "rel_l2 ")
-    inp = _g(fd.input_error) if fd.input_error is not None else "unknown"
-    tail = "introduced here" if fd.cause == "introduced" else \
-        "inherited (no recorded module introduces it: it grew gradually or comes from before " \
-        "the first record)"
+    inp = (f"{_g(fd.input_error)} ({fd.input_basis})" if fd.input_error is not None
+           else "unknown")
     nan = ""
     if fd.metrics is not None and fd.metrics.nan_inf_mismatch:
         nan = f", {fd.metrics.nan_inf_mismatch} NaN/Inf positions differ"
+    r = d.record(fd.key)
+    judged = "; golden referee: cand worse" if r.refereed else ""
     return (f"FAIL: divergence starts at {_where(fd)}: {bound}{_g(fd.error)}, input rel_l2 "
-            f"{inp} -> {tail} [tolerance {_g(fd.tolerance)}{nan}]{weaker}")
+            f"{inp} -> introduced here [tolerance {_g(fd.tolerance)}{nan}{judged}]{weaker}")
 
 
 def _flip_why(f: TokenFlip) -> str:
@@ -146,7 +164,9 @@ def _record_json(r: RecordDiff, loc: RecordLocation) -> dict:
         "ref_shape": list(r.ref_shape), "cand_shape": list(r.cand_shape), "basis": r.basis,
         "within": r.within, "cause": loc.cause, "rel_l2": r.error, "cosine": r.cosine,
         "input_rel_l2": loc.input_error, "input_from": list(loc.input_from),
-        "inner_rel_l2": loc.inner_error,
+        "input_basis": loc.input_basis, "inner_rel_l2": loc.inner_error,
+        "refereed": r.refereed, "within_tolerance": r.within_tolerance,
+        "src": dict(r.src),
         "introduced": loc.introduced, "tolerance": r.tolerance.as_dict(),
         "metrics": r.metrics.as_dict() if r.metrics is not None else None,
         "stats": ({"identical": r.stats.identical,
@@ -180,13 +200,13 @@ def _logits_json(s: LogitsStep) -> dict:
 
 def to_json(a: Analysis) -> dict:
     d, L = a.diff, a.location
-    fd = L.first_divergence
-    first = None
-    if fd is not None:
-        first = dict(_key_fields(fd.key), **{
+    def div(fd: Divergence | None) -> dict | None:
+        if fd is None:
+            return None
+        return dict(_key_fields(fd.key), **{
             "cause": fd.cause, "rel_l2": fd.error, "input_rel_l2": fd.input_error,
-            "input_from": list(fd.input_from), "inner_rel_l2": fd.inner_error,
-            "amplification": fd.amplification,
+            "input_from": list(fd.input_from), "input_basis": fd.input_basis,
+            "inner_rel_l2": fd.inner_error, "amplification": fd.amplification,
             "tolerance": fd.tolerance, "basis": fd.basis, "path": list(fd.path),
             "metrics": fd.metrics.as_dict() if fd.metrics is not None else None})
     golden = None
@@ -207,7 +227,18 @@ def to_json(a: Analysis) -> dict:
                    "missing": len(d.missing), "skipped": d.skipped},
         "compared_steps": [{"req": r, "last_step": s if s >= 0 else None}
                            for r, s in d.compared_steps],
-        "first_divergence": first,
+        "first_divergence": div(L.first_divergence),
+        "diffuse": L.diffuse,
+        "first_over": div(L.first_over),
+        "worst": div(L.worst),
+        "suspicious": [dict(_key_fields(x.key), rel_l2=x.error, local=x.local,
+                            peers_median=x.peers_median, ratio=x.ratio, peers=x.peers,
+                            peer_sites=x.peer_sites, kind=x.kind, tolerance=x.tolerance,
+                            within=x.within) for x in L.suspicious],
+        "precision_findings": [dict(_key_fields(r.key), ref_dtype=r.ref_dtype,
+                                    cand_dtype=r.cand_dtype)
+                               for r in d.precision_findings],
+        "compute_dtypes": {"ref": d.compute_dtypes[0], "cand": d.compute_dtypes[1]},
         "top": [str(x.key) for x in L.top],
         "records": [_record_json(r, l) for r, l in zip(d.records, L.records)],
         "missing": [{"key": m.key, "only_in": m.only_in} for m in d.missing],
@@ -276,6 +307,27 @@ def to_text(a: Analysis, md: bool = False) -> str:
         from accucheck.culprit import culprit_lines
 
         out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
+    elif L.diffuse:
+        wo = L.worst
+        out += ["", ("### " if md else "") + "No culprit",
+                f"The error is diffuse / inherited: every record over tolerance is explained by "
+                f"what feeds it (x{_g(L.amplification)} rule). Largest at {_where(wo)}: rel_l2 "
+                f"{_g(wo.error)}, input {_g(wo.input_error)}. Compare with a golden (float64) "
+                f"capture (--golden) to see whether the candidate is worse or just different."]
+    if L.suspicious:
+        out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
+        for x in L.suspicious[:8]:
+            out.append(f"SUSPICIOUS: {x.key}: local error {_g(x.local)} (rel_l2 {_g(x.error)}, "
+                       f"tolerance {_g(x.tolerance)}) = {_g(x.ratio)}x the median local error "
+                       f"{_g(x.peers_median)} of {x.peers} peers ({x.kind})")
+    findings = d.precision_findings
+    if findings:
+        out += ["", ("### " if md else "") + "Precision findings"]
+        for r in findings[:8]:
+            out.append(f"PRECISION: {r.key}: candidate {r.cand_dtype}, reference {r.ref_dtype} "
+                       f"(both runs {d.compute_dtypes[0]})")
+        if len(findings) > 8:
+            out.append(f"... {len(findings) - 8} more (--format json)")
     locs = {str(x.key): x for x in L.records}
     # worst records: introduced first, then by error relative to tolerance
     shown = []

@@ -155,8 +155,9 @@ class SignoffResult:
 
     @property
     def culprit(self) -> str | None:
-        fd = self.analysis.location.first_divergence
-        return fd.module if fd is not None else None
+        """The diff's culprit (module#call / op@index), the same one `accucheck diff` names."""
+        c = self.analysis.culprit
+        return c.where if c is not None else None
 
     @property
     def summary(self) -> str:
@@ -179,10 +180,14 @@ class SignoffResult:
         if fd is not None:
             rec = self.analysis.diff.record(fd.key)
             gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
-            why.append(f"divergence starts at step {fd.step}, {fd.module} "
+            why.append(f"divergence starts at step {fd.step}, {self.culprit} "
                        f"({fd.cause}, rel_l2 {_g(fd.error)} > tolerance {_g(fd.tolerance)}{gold})")
+        elif self.analysis.location.diffuse:
+            fo = self.analysis.location.first_over
+            why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
+                       f" first at step {fo.step} {fo.module}; no culprit named")
         for c in self.failed_checks:
-            if c.name == "records" and fd is not None:
+            if c.name == "records" and (fd is not None or self.analysis.location.diffuse):
                 continue
             why.append(c.detail)
         return f"FAIL: {what}: " + "; ".join(why) + "."
@@ -409,7 +414,9 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
     fd = a.location.first_divergence
     detail = f"{m.records_over_tolerance} of {m.records_compared} records over tolerance"
     if fd is not None:
-        detail += f", first at step {fd.step} {fd.module} ({fd.cause})"
+        detail += f", first introduced at step {fd.step} {fd.module}"
+    elif a.location.diffuse:
+        detail += ", none introduced (diffuse / inherited)"
     if d.basis in ("stats", "sample", "mixed"):
         detail += " [statistics / samples only: a bound and an estimate, a pass is weaker]"
     checks.append(Check("records", m.records_over_tolerance == 0, m.records_over_tolerance, 0,

@@ -7,10 +7,12 @@ minimum can blow up. A record is within tolerance when
     rel_l2 <= tol.rel_l2   and   no NaN/Inf position differs
     and, only when rtol/atol were given, every element satisfies |ref - cand| <= atol + rtol*|ref|
 
-The dtype that picks the row is the LOOSEST of: both records' dtypes and both captures' compute
-dtypes (meta "dtype"), so a float32 logits tensor of a bfloat16 model is judged as bfloat16, and
-a float32-vs-bfloat16 pair is judged as bfloat16 (a dtype difference sets the tolerance, it is
-not an error).
+The dtype that picks the row is the LOOSEST of the two captures' compute dtypes (meta "dtype"),
+not of the record pair: a float32 logits tensor of a bfloat16 model is judged as bfloat16, a
+float32-vs-bfloat16 run pair as bfloat16 (a whole-run dtype difference sets the tolerance, it is
+not an error), and a record that the candidate computes in float16 inside a float32 model is
+judged at float32 (and reported as a precision finding, accucheck.diff). Integer / bool records
+are exact; captures without a meta dtype fall back to the record dtypes.
 
 Calibration of DEFAULT_REL_L2 (tests/test_tolerances.py re-measures it on the tiny model):
 - float32: 5e-5. Measured on the tiny Llama (4 layers, 2 prompts, 3 decode steps, every
@@ -50,6 +52,12 @@ EXACT_REL_L2 = 0.0  # integer / bool / unknown dtypes
 GOLDEN_MULTIPLIER = {"float64": 2.0, "float32": 2.0, "float16": 3.0, "bfloat16": 3.0}
 # Locate: an output error this many times its input error is "introduced here".
 DEFAULT_AMPLIFICATION = 4.0
+# Noise floor (accucheck.locate.noise_floor, no golden referee): a record is "suspicious" when
+# its local error exceeds FACTOR x the median local error of its peers (same module kind, op
+# and slot in >= MIN_PEERS other layers) and MIN_FRACTION x its tolerance.
+NOISE_FLOOR_FACTOR = 10.0
+NOISE_FLOOR_MIN_FRACTION = 0.05
+NOISE_FLOOR_MIN_PEERS = 3
 
 
 def loosest_dtype(dtypes: Iterable[str | None]) -> str:

@@ -9,6 +9,7 @@ import diffcases
 from accucheck.diff import diff_captures
 from accucheck.keys import is_layer_block
 from accucheck.locate import analyze, locate
+from accucheck.report import render, verdict_line
 from test_diff import base, write
 
 
@@ -49,7 +50,7 @@ def test_whole_model_bf16_reports_every_layer_and_invents_no_culprit(caps):
 
 
 @pytest.mark.parametrize("kind,module", [("norm_bf16", diffcases.NORM_FAULT),
-                                         ("act_silu", "model.layers.1.mlp")])
+                                         ("act_silu", diffcases.ACT_FAULT)])
 def test_planted_fault_is_named_as_introduced(caps, kind, module):
     a = analyze(caps["ref"], caps[kind])
     assert a.exit_code == 1
@@ -77,7 +78,11 @@ def test_recorded_inputs_are_preferred(tiny, tmp_path):
     assert fd.input_error == 0.0
     mlp = next(x for x in a.location.records
                if str(x.key) == "r0.s0:model.layers.2.mlp#0:out.0")
-    assert mlp.cause == "inherited" and all(":in." in k for k in mlp.input_from)
+    norm = next(x for x in a.location.records
+                if str(x.key) == f"r0.s0:{diffcases.NORM_FAULT}#0:out.0")
+    # the mlp's recorded input IS the norm's output: the same error, from both sources
+    assert mlp.cause == "inherited" and mlp.input_basis in ("inputs", "links")
+    assert mlp.input_error == pytest.approx(norm.error, rel=1e-9)
 
 
 def test_stats_only_capture_finds_a_scale_fault_weaker(tiny, tmp_path):
@@ -167,9 +172,12 @@ def test_gradual_growth_is_inherited_not_blamed(tmp_path):
         c[k] = _perturb(t, k, rel, rng)
     c["r0.s0:model.embed_tokens#0:out.0"] = t["r0.s0:model.embed_tokens#0:out.0"]
     a = analyze(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c))
-    fd = a.location.first_divergence
-    assert a.exit_code == 1 and fd.cause == "inherited"
-    assert not any(x.cause == "introduced" for x in a.location.records)
+    L = a.location
+    assert a.exit_code == 1 and L.first_divergence is None and L.diffuse and a.culprit is None
+    assert L.first_over.cause == "inherited" and not L.first_over.key.is_logits
+    assert not any(x.cause == "introduced" for x in L.records)
+    assert "no record introduces the error (diffuse / inherited)" in verdict_line(a)
+    assert "CULPRIT" not in render(a)
 
 
 def test_locate_walks_earliest_step_first(tmp_path):

@@ -19,7 +19,8 @@ from test_diff import base, write
 JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref", "cand",
             "golden_path", "basis", "notes", "tolerances", "amplification", "counts",
             "compared_steps", "first_divergence", "top", "records", "missing", "layers",
-            "logits", "golden", "culprit", "ops"}
+            "logits", "golden", "culprit", "ops", "diffuse", "first_over", "worst",
+            "suspicious", "precision_findings", "compute_dtypes"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def test_pass_and_fail_verdict_lines(caps):
     line = verdict_line(bad)
     assert line.startswith(f"FAIL: divergence starts at step 0, {diffcases.NORM_FAULT} (out.0): "
                            f"rel_l2 ")
-    assert "input rel_l2 0 -> introduced here" in line
+    # its input (residual + attention) is not a recorded output: the capture records it
+    assert "input rel_l2 0 (inputs) -> introduced here" in line
     table = render(bad, "table")
     assert table.splitlines()[0] == line
     assert "Per-layer error" in table and "Logits" in table and "Worst records" in table
