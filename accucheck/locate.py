@@ -32,11 +32,10 @@ not the largest). With a golden referee, "over tolerance" means the referee mark
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
-Noise floor (no golden referee): a record whose local error (shadow error, else error minus
-what explains it) stands far above the local errors the same diff measures at its peers (same
-module kind, operator and slot in other layers: the site with its layer numbers wildcarded,
-every step and request) is "suspicious", also within tolerance. The rule's numbers are in
-accucheck.tolerances (NOISE_FLOOR_*).
+Noise floor (no golden referee): a record that amplifies what feeds it far more than its peers
+do (the same module kind, operator and slot in nearby layers, same request and step) is
+"suspicious", also within tolerance (see `noise_floor`; the numbers are in
+accucheck.tolerances, NOISE_FLOOR_*).
 
 Errors are tensor-level rel_l2 (or its proven lower bound from statistics): a moved minimum or
 a single near-zero element never makes a culprit on its own.
@@ -57,7 +56,7 @@ from accucheck.keys import RecordKey, is_layer_block, layer_of
 from accucheck.metrics import TensorMetrics
 from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                   NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
-                                  ToleranceTable)
+                                  NOISE_FLOOR_WINDOW, ToleranceTable)
 
 INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
 
@@ -118,20 +117,21 @@ class Divergence:
 
 @dataclass(frozen=True)
 class Suspicious:
-    """A record whose local error is far above its peers' (the noise-floor rule)."""
+    """A record that introduces far more error than its peers (the noise-floor rule)."""
     key: RecordKey
     error: float
-    local: float                  # its local (introduced) error
-    peers_median: float           # median local error of its peers
-    peers: int                    # peer records (same kind, other sites)
-    peer_sites: int
+    local: float                  # its local error: error - what explains it (or shadow)
+    gain: float                   # error / what explains it (shadow error with --shadow)
+    peers_median: float           # the same measure's median over its peers
+    peers: int                    # peer records (same kind, nearby layers, same req/step)
     kind: str                     # the peer group: site with layer numbers wildcarded
     tolerance: float
     within: bool                  # within tolerance (else it is also over tolerance)
 
     @property
     def ratio(self) -> float:
-        return self.local / self.peers_median if self.peers_median > 0 else math.inf
+        """gain / the peers' median gain (floored at 1 without shadow records)."""
+        return self.gain / self.peers_median if self.peers_median > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,10 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         if r.key.role == "out" and r.key.op is None and is_layer_block(r.key.module)
         and _first_slot(r.key) and layer_of(r.key.module) is not None)
     sus = () if diff.golden_path is not None else noise_floor(diff, locs, amplification)
+    if intro is not None:  # after the first divergence, outliers may be its consequences
+        first = (intro.key.step, intro.key.req, intro.order)
+        order = {str(r.key): r.order for r in diff.records}
+        sus = tuple(s for s in sus if (s.key.step, s.key.req, order[str(s.key)]) < first)
     return Location(divergence(intro), records, tuple(ranked), curve, amplification,
                     divergence(over[0] if over else None), divergence(worst), sus)
 
@@ -257,37 +261,52 @@ def peer_kind(key: RecordKey) -> str:
 
 
 def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
-                amplification: float = DEFAULT_AMPLIFICATION, *, factor: float = NOISE_FLOOR_FACTOR,
+                amplification: float = DEFAULT_AMPLIFICATION, *,
+                factor: float = NOISE_FLOOR_FACTOR,
                 min_fraction: float = NOISE_FLOOR_MIN_FRACTION,
-                min_peers: int = NOISE_FLOOR_MIN_PEERS) -> tuple[Suspicious, ...]:
-    """Records whose local error exceeds `factor` x the median local error of their peers
-    (same `peer_kind`, other sites) and `min_fraction` x their tolerance, and which are not
-    explained by their inputs (error > amplification x input error, like "introduced").
-    Groups with fewer than `min_peers` other sites are not judged (no noise to compare with).
-    Records already introduced over tolerance are left out: they are the first divergence."""
-    by_kind: dict[str, list[tuple[RecordDiff, RecordLocation]]] = {}
+                min_peers: int = NOISE_FLOOR_MIN_PEERS,
+                window: int = NOISE_FLOOR_WINDOW) -> tuple[Suspicious, ...]:
+    """Records that introduce far more error than their peers do. Peers: the same module kind,
+    operator and slot (`peer_kind`) in the layers within `window` of the record's, same request
+    and step (the regime changes with depth and between prefill and decode). "How much a record
+    introduces" is its gain: error / what explains it, or its shadow error with shadow records.
+    Relative errors are not conserved through a module (an RMSNorm whose weight damps the
+    residual stream's outlier channels turns a 0.1 % input error into 2 % in a float32 vs
+    bfloat16 run, in every deep layer), so a record is compared with the same module nearby,
+    never with a fixed number. Suspicious: a gain above `amplification` (it would be
+    "introduced") and above `factor` x max(1, the peers' median gain), and a local error (error
+    - explained) above `min_fraction` x its tolerance. Fewer than `min_peers` peers: not
+    judged. Records introduced over tolerance are left out: they are the first divergence."""
+    groups: dict[tuple, list[tuple[RecordDiff, RecordLocation, float, int]]] = {}
     for r in diff.records:
-        if r.key.role == "in" or r.basis == "shape" or r.key.is_logits:
+        layer = layer_of(r.key.module)
+        if r.key.role == "in" or r.basis == "shape" or layer is None:
             continue
         loc = locs[str(r.key)]
-        if loc.input_basis == "none":
+        if r.shadow is not None:
+            gain = r.shadow.rel_l2
+        elif loc.input_basis == "none":
             continue
-        by_kind.setdefault(peer_kind(r.key), []).append((r, loc))
+        else:
+            e = loc.explained
+            gain = r.error / e if e else (math.inf if r.error > 0 else 1.0)
+        groups.setdefault((peer_kind(r.key), r.key.req, r.key.step), []).append(
+            (r, loc, gain, layer))
     out = []
-    for kind, items in by_kind.items():
-        sites = {x.key.site for x, _ in items}
-        if len(sites) < min_peers + 1:
-            continue
-        for r, loc in items:
+    for (kind, _, _), items in groups.items():
+        for r, loc, gain, layer in items:
             if loc.cause == "introduced" or loc.introduced <= min_fraction * r.tolerance.rel_l2:
                 continue
-            if r.shadow is None and loc.error <= loc.explained * amplification:
+            if r.shadow is None and gain <= amplification:
                 continue
-            peers = [y.introduced for x, y in items if x.key.site != r.key.site]
+            peers = [g for x, _, g, ly in items
+                     if x.key.site != r.key.site and abs(ly - layer) <= window]
+            if len(peers) < min_peers:
+                continue
             med = statistics.median(peers)
-            if loc.introduced > factor * med:
-                out.append(Suspicious(r.key, r.error, loc.introduced, med, len(peers),
-                                      len(sites) - 1, kind, r.tolerance.rel_l2, r.within))
+            if gain > factor * (med if r.shadow is not None else max(med, 1.0)):
+                out.append(Suspicious(r.key, r.error, loc.introduced, gain, med, len(peers),
+                                      kind, r.tolerance.rel_l2, r.within))
     order = {str(r.key): r.order for r in diff.records}
     return tuple(sorted(out, key=lambda s: (s.key.step, s.key.req, order[str(s.key)])))
 

@@ -92,7 +92,8 @@ def verdict_line(a: Analysis) -> str:
         if L.suspicious:
             s = L.suspicious[0]
             sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
-                   f"peers, first {s.key} local {_g(s.local)} = {_g(s.ratio)}x its peers' median")
+                   f"peers, first {s.key}: amplifies its input error x{_g(s.gain)}, peers "
+                   f"x{_g(s.peers_median)}")
         return f"PASS: {n} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
     if fd is None and L.first_over is not None:
         fo, wo = L.first_over, L.worst
@@ -232,7 +233,7 @@ def to_json(a: Analysis) -> dict:
         "first_over": div(L.first_over),
         "worst": div(L.worst),
         "suspicious": [dict(_key_fields(x.key), rel_l2=x.error, local=x.local,
-                            peers_median=x.peers_median, ratio=x.ratio, peers=x.peers,
+                            gain=x.gain, peers_median=x.peers_median, ratio=x.ratio, peers=x.peers,
                             peer_sites=x.peer_sites, kind=x.kind, tolerance=x.tolerance,
                             within=x.within) for x in L.suspicious],
         "precision_findings": [dict(_key_fields(r.key), ref_dtype=r.ref_dtype,
@@ -317,9 +318,10 @@ def to_text(a: Analysis, md: bool = False) -> str:
     if L.suspicious:
         out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:
-            out.append(f"SUSPICIOUS: {x.key}: local error {_g(x.local)} (rel_l2 {_g(x.error)}, "
-                       f"tolerance {_g(x.tolerance)}) = {_g(x.ratio)}x the median local error "
-                       f"{_g(x.peers_median)} of {x.peers} peers ({x.kind})")
+            out.append(f"SUSPICIOUS: {x.key}: rel_l2 {_g(x.error)} (tolerance "
+                       f"{_g(x.tolerance)}), local {_g(x.local)}: it amplifies what feeds it "
+                       f"x{_g(x.gain)}, its {x.peers} peers ({x.kind}) x{_g(x.peers_median)} "
+                       f"(median)")
     findings = d.precision_findings
     if findings:
         out += ["", ("### " if md else "") + "Precision findings"]

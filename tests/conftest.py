@@ -40,3 +40,16 @@ def pytest_runtest_makereport(item, call):
             and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI (ACCUCHECK_NO_SKIP=1): {report.longrepr}"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct in float32 (tests/smollm2.py). Slow
+    tests only. Do not mutate it."""
+    import smollm2 as s
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = s.model_dir()
+    model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True,
+                                                 attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(d, local_files_only=True)

@@ -6,6 +6,9 @@ the module's input), so it is removed cleanly and the weights are untouched. Imp
     bf16 / fp16        round the output through bfloat16 / float16 (a reduced-precision kernel)
     noise:REL          add seeded Gaussian noise of relative size REL
     scale:F            multiply the output by F (a wrong constant, e.g. an epsilon / scale bug)
+    acc:bf16:K         recompute a Linear with its partial sums accumulated in bfloat16 over
+                       chunks of K input features (a GEMM kernel that keeps its accumulator in
+                       the output dtype); for nn.Linear modules
     act:silu_fast      recompute SiLU as x * sigmoid with sigmoid in float16 (an approximate
                        activation kernel); for act modules (mlp.act_fn)
     act:gelu_tanh      recompute GELU with the tanh approximation; for GELU act modules
@@ -32,7 +35,7 @@ from torch import nn
 
 from accucheck.errors import UserError
 
-FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "act:silu_fast", "act:gelu_tanh",
+FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "acc:bf16:K", "act:silu_fast", "act:gelu_tanh",
           "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F")
 
 
@@ -53,6 +56,11 @@ def _transform(fault: str, seed: int):
     if name == "scale":
         f = float(arg)
         return lambda x, t: t * f
+    if name == "acc":
+        low, _, k = arg.partition(":")
+        if low != "bf16" or not k.isdigit() or int(k) < 1:
+            raise UserError(f"fault {fault!r}: use acc:bf16:K (K input features per chunk)")
+        return ("acc", int(k))
     if fault == "act:silu_fast":
         return lambda x, t: x * torch.sigmoid(x.to(torch.float16)).to(x.dtype)
     if fault == "act:gelu_tanh":
@@ -71,6 +79,8 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
             yield
         return
     fn = _transform(fault, seed)
+    if isinstance(fn, tuple):  # acc:bf16:K needs the module's weights
+        fn = _bf16_accumulation(mods[module], module, fn[1])
 
     def hook(_mod, args, out):
         x = args[0] if args else None
@@ -86,6 +96,22 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
         yield
     finally:
         handle.remove()
+
+
+def _bf16_accumulation(mod: nn.Module, name: str, chunk: int):
+    if not isinstance(mod, nn.Linear):
+        raise UserError(f"fault acc:bf16 needs an nn.Linear; {name} is {type(mod).__name__}")
+
+    def acc(x, t):
+        w = mod.weight
+        total = torch.zeros(t.shape, dtype=torch.bfloat16, device=t.device)
+        for i in range(0, w.shape[1], chunk):
+            part = x[..., i:i + chunk].float() @ w[:, i:i + chunk].float().t()
+            total = (total.float() + part).to(torch.bfloat16)  # the accumulator is bf16
+        if mod.bias is not None:
+            total = (total.float() + mod.bias.float()).to(torch.bfloat16)
+        return total.to(t.dtype)
+    return acc
 
 
 def _op_fault(fault: str):
