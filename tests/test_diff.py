@@ -57,7 +57,7 @@ def base(rng=None, steps=(0,), layers=2, hidden=64):
 def test_identical_files_pass(tmp_path):
     t = base()
     d = diff_captures(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t))
-    assert d and d.within and d.basis == "tensor" and not d.missing and not d.notes
+    assert d.within and d.basis == "tensor" and not d.missing and not d.notes
     assert all(r.metrics.identical for r in d.records)
     assert len(d.records) == len(t)
     assert [str(r.key) for r in d.records] == list(t)  # reference execution order
@@ -250,3 +250,138 @@ def test_diff_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "False"
+
+
+def _row(x: np.ndarray, dtype: str = "float64", checksum: int = 1):
+    from accucheck.store import IndexRow, Stats
+
+    return IndexRow(RecordKey.parse("r0.s0:m#0:out.0"), 0, "module", dtype, x.shape,
+                    Stats.from_row(_stats(x)), checksum, "")
+
+
+def test_stats_bound_is_exactly_the_largest_statistic_gap():
+    """Each of |dl2|, sqrt(n)|dmean|, sqrt(n-1)|dstd|, |dmin|, |dmax|, |dabsmax| bounds
+    ||ref - cand||; the result is the largest, over ||ref||, named by `bound_from`."""
+    n = 1000
+    alt = np.where(np.arange(n) % 2 == 0, 1.0, -1.0)             # mean 0, std 1, l2 sqrt(n)
+    # a constant shift: sqrt(n) |dmean| IS ||a - b||, so the bound is the true rel_l2
+    sd = stats_delta(_row(alt), _row(alt + 0.01, checksum=2))
+    assert (sd.bound_from, sd.identical, sd.nan_inf_mismatch) == ("mean", False, 0)
+    assert sd.rel_l2_lower_bound == pytest.approx(0.01, rel=1e-9)
+    assert sd.rel_l2_lower_bound == pytest.approx(np.linalg.norm(0.01 * np.ones(n))
+                                                  / np.linalg.norm(alt), rel=1e-9)
+    # a scale: |dl2| = 0.5 ||a|| is exact too
+    a = np.linspace(1.0, 3.0, n)
+    sd = stats_delta(_row(a), _row(1.5 * a, checksum=2))
+    assert sd.bound_from == "l2" and sd.rel_l2_lower_bound == pytest.approx(0.5, rel=1e-12)
+    # the spread grows while the norm stays put (the mean drops to compensate): the std gap
+    # sqrt(n-1) |dstd| is the largest (the index holds the population std)
+    a = alt + 2.0                                                 # mean 2, std 1
+    b = 1.2 * alt + math.sqrt(5.0 - 1.44)                         # std 1.2, same l2
+    sd = stats_delta(_row(a), _row(b, checksum=2))
+    assert sd.bound_from == "std"
+    assert sd.rel_l2_lower_bound == pytest.approx(math.sqrt(n - 1) * 0.2 / np.linalg.norm(a),
+                                                  rel=1e-9)
+    assert sd.rel_l2_lower_bound <= np.linalg.norm(a - b) / np.linalg.norm(a)
+    # the same statistics (a permutation): no bound at all, nothing named
+    sd = stats_delta(_row(alt), _row(alt[::-1].copy(), checksum=2))
+    assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from) == (False, 0.0, None)
+    # only the minimum moves, by 0.2 absolute: |dmin| / ||a||, whatever the minimum's size
+    a = np.linspace(1.0, 2.0, n)
+    b = a.copy()
+    b[0] = 0.8
+    sd = stats_delta(_row(a), _row(b, checksum=2))
+    assert sd.bound_from == "min"
+    assert sd.rel_l2_lower_bound == pytest.approx(0.2 / np.linalg.norm(a), rel=1e-9)
+    # only the maximum (and absmax, the same element) moves: |dmax| / ||a||
+    b = a.copy()
+    b[-1] = 2.3
+    sd = stats_delta(_row(a), _row(b, checksum=2))
+    assert sd.bound_from in ("max", "absmax")
+    assert sd.rel_l2_lower_bound == pytest.approx(0.3 / np.linalg.norm(a), rel=1e-9)
+    # absmax alone: a negative extreme grows, min moves by as much: the bound is 0.3 / ||a||
+    a2 = np.linspace(-2.0, 1.0, n)
+    b = a2.copy()
+    b[0] = -2.3
+    sd = stats_delta(_row(a2), _row(b, checksum=2))
+    assert sd.rel_l2_lower_bound == pytest.approx(0.3 / np.linalg.norm(a2), rel=1e-9)
+
+
+def test_stats_bound_with_nan_uses_l2_only_and_counts_positions():
+    a = np.linspace(1.0, 2.0, 100)
+    b = a * 1.1
+    b[3] = np.nan
+    b[4] = np.inf
+    sd = stats_delta(_row(a), _row(b, checksum=2))
+    assert sd.nan_inf_mismatch == 2 and sd.bound_from == "l2"
+    fb = b[np.isfinite(b)]
+    assert sd.rel_l2_lower_bound == pytest.approx(
+        abs(np.linalg.norm(a) - np.linalg.norm(fb)) / np.linalg.norm(a), rel=1e-9)
+    # identical rows: identical, zero, nothing named
+    sd = stats_delta(_row(a), _row(a))
+    assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from) == (True, 0.0, None)
+    # a zero reference: any difference is an infinite relative error
+    z = np.zeros(10)
+    assert stats_delta(_row(z), _row(z + 1.0, checksum=2)).rel_l2_lower_bound == math.inf
+
+
+def test_stats_capture_reports_the_bound_as_the_error(tmp_path):
+    """The diff's error for a statistics-only record is the bound (never 0 for a real gap)."""
+    t = base(np.random.default_rng(6))
+    c = dict(t)
+    k = "r0.s0:model.layers.0.mlp#0:out.0"
+    c[k] = t[k] + 0.5
+    d = diff_captures(write(tmp_path / "a.h5", t, store="stats"),
+                      write(tmp_path / "b.h5", c, store="stats"))
+    r = d.record(k)
+    x = np.asarray(t[k], np.float32).astype(np.float64)
+    y = np.asarray(c[k], np.float32).astype(np.float64)
+    expect = stats_delta(_row(x), _row(y, checksum=2))
+    assert r.basis in ("stats", "sample") and r.stats.bound_from == expect.bound_from == "mean"
+    assert r.stats.rel_l2_lower_bound == pytest.approx(expect.rel_l2_lower_bound, rel=1e-6)
+    assert r.error >= r.stats.rel_l2_lower_bound > 0.1 and not r.within
+
+
+def test_near_tie_is_margin_at_most_noise():
+    from accucheck.diff import LogitsPosition, TokenFlip
+
+    def pos(margin, noise):
+        return LogitsPosition(0, 0.0, 0, 1, 1.0, margin, noise)
+
+    def flip(margin, noise):
+        return TokenFlip(0, 0, 2, 0, 1, margin, noise, True, "logits")
+
+    noise = 1e-3
+    # documented rule (docs/diff-json.md): near-tie when margin <= noise
+    for margin, expect in ((0.5e-3, True), (1e-3, True), (1.5e-3, False), (2.9e-3, False),
+                           (3.1e-3, False)):
+        assert pos(margin, noise).near_tie is expect, margin
+        assert flip(margin, noise).near_tie is expect, margin
+        assert flip(margin, noise).label == ("near-tie" if expect else "real")
+    assert flip(None, None).near_tie is None
+    assert flip(None, None).label == "unknown (no logits stored)"
+
+
+def test_flip_with_margin_between_noise_and_three_noise_is_real(tmp_path):
+    """A margin above the logit noise (here 1.1x .. 3x) makes the flip real: the diff fails."""
+    from accucheck.metrics import logit_noise, top2_margin
+
+    t = base()
+    k = "r0.s0:logits#0:out.0"
+    ref = np.zeros((1, 3, 32), np.float32)
+    ref[0, :, 0] = 5.0
+    ref[0, 2, 1] = 5.0 - 1e-3                    # last (generating) position: margin 1e-3
+    t[k] = ref
+    cand = ref.copy()
+    cand[0, 2, 1] += 1.25e-3                     # flips the top token
+    cand[0, 2, 5:] += 6e-4 * np.where(np.arange(27) % 2 == 0, 1.0, -1.0)
+    c = dict(t)
+    c[k] = cand
+    margin = float(top2_margin(ref[0, 2].astype(np.float64))[0])
+    noise = float(logit_noise(ref[0, 2], cand[0, 2])[0])
+    assert noise < margin < 3 * noise            # the case the rule must get right
+    d = diff_captures(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c))
+    f = d.first_flip
+    assert (f.step, f.position, f.generating, f.near_tie, f.label) == (0, 2, True, False, "real")
+    assert f.margin == pytest.approx(margin, rel=1e-5) and f.noise == pytest.approx(noise, rel=1e-5)
+    assert d.real_flip and not d.within

@@ -125,22 +125,42 @@ def test_bf16_rounding_of_an_fp32_tensor_has_the_expected_rel_l2():
     assert 1.0e-3 < r < 2.5e-3
 
 
+def test_kl_is_ref_to_cand_on_an_asymmetric_pair():
+    """KL(p_ref || p_cand), not the reverse: a peaked reference against a uniform candidate
+    (a permuted pair would have KL(p||q) == KL(q||p) and tell nothing)."""
+    ref, cand = np.array([[2.0, 0.0, 0.0]]), np.array([[0.0, 0.0, 0.0]])
+    z = math.exp(2.0) + 2.0
+    p = np.array([math.exp(2.0), 1.0, 1.0]) / z        # softmax(ref)
+    q = np.full(3, 1.0 / 3.0)                           # softmax(cand)
+    forward = float(np.sum(p * np.log(p / q)))          # 0.4330...
+    backward = float(np.sum(q * np.log(q / p)))         # 0.4742...
+    assert forward == pytest.approx(0.43304, abs=1e-5) and backward - forward > 0.04
+    assert M.kl_div(ref, cand)[0] == pytest.approx(forward, rel=1e-12)
+    assert M.kl_div(cand, ref)[0] == pytest.approx(backward, rel=1e-12)
+    # several rows at once, each its own distribution; never negative (rounding is clipped)
+    both = M.kl_div(np.vstack([ref, ref]), np.vstack([cand, ref + 7.0]))
+    assert both[0] == pytest.approx(forward, rel=1e-12) and both[1] == 0.0
+
+
 def test_logits_metrics():
     ref = np.array([[3.0, 1.0, 0.5, 0.0, -1.0, -2.0],
                     [1.0, 0.99, 0.0, 0.0, 0.0, 0.0]])
     cand = np.array([[3.0, 1.0, 0.5, 0.0, -1.0, -2.0],
-                     [0.99, 1.0, 0.0, 0.0, 0.0, 0.0]])
+                     [0.99, 1.0, 0.0, 0.0, 0.0, 0.5]])
     kl = M.kl_div(ref, cand)
     assert kl[0] == 0.0 and kl[1] > 0
     p, q = np.exp(M.log_softmax(ref[1])[0]), np.exp(M.log_softmax(cand[1])[0])
-    assert kl[1] == pytest.approx(np.sum(p * np.log(p / q)))
+    assert kl[1] == pytest.approx(np.sum(p * np.log(p / q)), rel=1e-12)
+    assert kl[1] != pytest.approx(np.sum(q * np.log(q / p)), rel=1e-3)
     assert M.top1_agree(ref, cand).tolist() == [True, False]
     assert M.top2_margin(ref).tolist() == pytest.approx([2.0, 0.01])
     assert M.topk_overlap(ref, cand, 2).tolist() == [1.0, 1.0]
     assert M.topk_overlap(ref, -ref, 2).tolist() == [0.0, 0.0]
+    assert M.topk_overlap(ref, cand, 3).tolist() == pytest.approx([1.0, 2 / 3])
     # noise is shift-invariant: a constant offset is not logit error
     assert M.logit_noise(ref, ref + 5.0).tolist() == pytest.approx([0.0, 0.0])
-    assert M.logit_noise(ref, cand)[1] > 0
+    d = cand[1] - ref[1]
+    assert M.logit_noise(ref, cand)[1] == pytest.approx(float(np.std(d)), rel=1e-12)
 
 
 def test_metrics_module_is_pure():
