@@ -3,6 +3,10 @@
 `make(kind, model, tok, path, ref=None)` writes one capture: the reference, an identical rerun,
 the whole model in another dtype, a planted fault, a numerically-equivalent fused RMSNorm, or
 fp32 reordering noise (one CPU thread). Candidates follow the reference's tokens.
+
+Every capture runs with exactly THREADS torch threads, "threads1" with one: the reordering noise
+is then 1 vs 2 threads on every machine (with the machine's default, a one-core box would make
+"threads1" equal to the reference).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Accuracy of large language models"]
 STEPS = 2
 NORM_FAULT = "model.layers.2.post_attention_layernorm"
+THREADS = 2
 ACT_FAULT = "model.layers.1.mlp.act_fn"
 
 
@@ -60,9 +65,9 @@ def make(kind: str, model, tok, path: Path, ref: Path | None = None, *, store: s
         "norm_bf16": planted(model, NORM_FAULT, "bf16"),
         "act_silu": planted(model, ACT_FAULT, "act:silu_fast"),
         "fused_norm": fused_rms_norm(),
-        "threads1": threads(1),
+        "threads1": nullcontext(),
     }[kind]
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}.get(kind)
-    with ctx:
+    with threads(1 if kind == "threads1" else THREADS), ctx:
         capture_model(model, PROMPTS, path, dtype=dtype, **kw)
     return path

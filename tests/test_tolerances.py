@@ -1,6 +1,9 @@
 """Tolerance table: looser dtype wins, overrides, both-or-neither, calibration on real captures."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -8,24 +11,79 @@ import diffcases
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
 from accucheck.metrics import tensor_metrics
-from accucheck.tolerances import (DEFAULT_REL_L2, Tolerance, ToleranceTable, loosest_dtype,
-                                  parse_override)
+from accucheck.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
+                                  Tolerance, ToleranceTable, loosest_dtype, parse_override)
 
 K = RecordKey.parse("r0.s1:model.layers.3.mlp#0:out.0")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _documented() -> dict:
+    """The numbers the README and docs/diff-json.md promise, parsed from their text: a change
+    on either side (code or documentation) alone fails the tests below."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    m = re.search(r"\(float32 ([0-9.e+-]+), float16 ([0-9.e+-]+), bfloat16 ([0-9.e+-]+);", readme)
+    assert m, "README no longer states the dtype tolerances"
+    amp = re.search(r'"introduced" when its error is more than ([0-9.]+)x the error', readme)
+    assert amp, "README no longer states the amplification threshold"
+    doc = " ".join((ROOT / "docs" / "diff-json.md").read_text(encoding="utf-8").split())
+    g = re.search(r"multiplier ([0-9.]+) for fp32/fp64 pairs, ([0-9.]+) for 16-bit", doc)
+    assert g, "docs/diff-json.md no longer states the golden multipliers"
+    return {"float32": float(m.group(1)), "float16": float(m.group(2)),
+            "bfloat16": float(m.group(3)), "amplification": float(amp.group(1)),
+            "golden_32": float(g.group(1)), "golden_16": float(g.group(2))}
+
+
+DOC = _documented()
+
+
+def test_documented_constants_are_the_code_constants():
+    assert DOC == {"float32": 5e-5, "float16": 1e-2, "bfloat16": 5e-2, "amplification": 4.0,
+                   "golden_32": 2.0, "golden_16": 3.0}
+    for d in ("float32", "float16", "bfloat16"):
+        assert DEFAULT_REL_L2[d] == DOC[d], d
+        assert ToleranceTable().for_record(K, (d, d)).rel_l2 == DOC[d], d
+    assert DEFAULT_AMPLIFICATION == DOC["amplification"]
+    assert GOLDEN_MULTIPLIER == {"float64": DOC["golden_32"], "float32": DOC["golden_32"],
+                                 "float16": DOC["golden_16"], "bfloat16": DOC["golden_16"]}
+
+
+def test_documented_defaults_reach_the_diff_and_locate(tmp_path):
+    """The defaults as the diff applies them (no option given): per-record tolerance by the
+    runs' dtype, the golden multiplier by the runs' dtype, locate's amplification."""
+    from test_diff import base, write
+
+    from accucheck.diff import diff_captures
+    from accucheck.locate import analyze
+
+    t = base()
+    for run_dtype, tol, mult in (("float32", DOC["float32"], DOC["golden_32"]),
+                                 ("bfloat16", DOC["bfloat16"], DOC["golden_16"]),
+                                 ("float16", DOC["float16"], DOC["golden_16"])):
+        d = tmp_path / run_dtype
+        d.mkdir()
+        a, b = write(d / "a.h5", t, dtype=run_dtype), write(d / "b.h5", t, dtype=run_dtype)
+        g = write(d / "g.h5", t, dtype="float64")
+        res = diff_captures(a, b, g)
+        assert {r.tolerance.rel_l2 for r in res.records} == {tol}, run_dtype
+        assert {r.golden.multiplier for r in res.records} == {mult}, run_dtype
+    assert analyze(a, b).location.amplification == DOC["amplification"]
 
 
 def test_looser_dtype_wins():
     t = ToleranceTable()
-    assert t.for_record(K, ("float32", "float32")).rel_l2 == DEFAULT_REL_L2["float32"]
-    assert t.for_record(K, ("float32", "bfloat16")).rel_l2 == DEFAULT_REL_L2["bfloat16"]
-    assert t.for_record(K, ("bfloat16", "float16")).rel_l2 == DEFAULT_REL_L2["bfloat16"]
+    assert t.for_record(K, ("float32", "float32")).rel_l2 == DOC["float32"]
+    assert t.for_record(K, ("float32", "bfloat16")).rel_l2 == DOC["bfloat16"]
+    assert t.for_record(K, ("bfloat16", "float16")).rel_l2 == DOC["bfloat16"]
+    assert t.for_record(K, ("float16", "float32")).rel_l2 == DOC["float16"]
     # the capture's compute dtype counts: fp32 logits of a bf16 model are judged as bf16
-    assert t.for_record(K, ("float32", "float32", "bfloat16", None)).rel_l2 == \
-        DEFAULT_REL_L2["bfloat16"]
+    assert t.for_record(K, ("float32", "float32", "bfloat16", None)).rel_l2 == DOC["bfloat16"]
     assert t.for_record(K, ("int64", "int64")).rel_l2 == 0.0
+    assert t.for_record(K, ("float32", "float32")).source == "default float32"
     assert loosest_dtype(["float64", None, "float16"]) == "float16"
-    assert DEFAULT_REL_L2["float64"] < DEFAULT_REL_L2["float32"] < DEFAULT_REL_L2["float16"] \
-        < DEFAULT_REL_L2["bfloat16"]
+    assert loosest_dtype(["bfloat16", "float16"]) == "bfloat16"
+    assert loosest_dtype([None, "int64"]) == "int64"
+    assert DEFAULT_REL_L2["float64"] < DOC["float32"]
 
 
 def test_overrides_last_match_wins_and_match_module_site_or_key():
@@ -88,12 +146,13 @@ def _max_error(ref, cand):
 
 
 def test_calibration_fp32_noise_passes_with_margin(cal):
-    """fp32 reordering noise (1 vs 2 threads; fp32 vs float64) passes, >= 5x below tolerance."""
+    """fp32 reordering noise (1 vs 2 threads, both set explicitly by diffcases, so the same on
+    every machine; fp32 vs float64) passes, >= 5x below tolerance."""
     for kind in ("threads1", "fp64"):
         d = _max_error(cal["ref"], cal[kind])
         assert d.within, kind
         worst = max(r.error for r in d.records)
-        assert 0 < worst < DEFAULT_REL_L2["float32"] / 5, (kind, worst)
+        assert 0 < worst < DOC["float32"] / 5, (kind, worst)
 
 
 def test_calibration_one_norm_in_bf16_fails_with_margin(cal):
@@ -101,5 +160,5 @@ def test_calibration_one_norm_in_bf16_fails_with_margin(cal):
     d = _max_error(cal["ref"], cal["norm_bf16"])
     assert not d.within
     r = d.record(f"r0.s0:{diffcases.NORM_FAULT}#0:out.0")
-    assert r.error > 10 * DEFAULT_REL_L2["float32"]
+    assert r.error > 10 * DOC["float32"]
     assert r.tolerance.source == "default float32"
