@@ -18,7 +18,14 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
     /index/data             [n] strings: dataset name under /tensors, "" in stats mode
     /index/extra            [n] strings (OPTIONAL: files written before it existed lack it; a
                             reader treats it as all ""): "" or a JSON object with per-record
-                            details. Op records (kind "op", first output slot of each op call):
+                            details, on the first output record of a module / op call:
+                            "src" (eager captures; absent when empty): {"<in slot>": "<site>"}
+                            for each floating-point input that IS an earlier recorded tensor of
+                            the same request and step, the site being its key without
+                            "r{req}.s{step}:" ({"hidden_states":
+                            "model.layers.0.input_layernorm#0:out.0"}); an input neither linked
+                            nor a weight has its own "in" record (accucheck.capture.recorder).
+                            Op records (kind "op") also carry
                             {"site": "transformers/.../modeling_llama.py:154 in forward",
                              "args": [...], "kwargs": {...}} where "args"/"kwargs" describe the
                             op call with tensors as {"t": "<in slot>"} (see accucheck.capture.ops)
@@ -107,7 +114,7 @@ class IndexRow:
     stats: Stats
     checksum: int
     data: str  # dataset name under /tensors, "" when only statistics were stored
-    extra: str = ""  # JSON object with per-record details (op call site, op arguments) or ""
+    extra: str = ""  # JSON object with per-record details (input links, op call site / args) or ""
     sample: np.ndarray | None = field(default=None, compare=False, repr=False)
     # SAMPLE_SIZE values at fixed positions (see /index/sample); None when not captured
 

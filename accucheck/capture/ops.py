@@ -1,22 +1,32 @@
-"""Op-level capture: every operator dispatched inside the selected modules, attributed to the
-innermost selected module call. Imports torch and the capture recorders (never h5py directly).
+"""Op-level capture: every operator dispatched inside the selected modules, attributed to its
+innermost nn.Module call. Imports torch and the capture recorders (never h5py directly).
 
-`--level op` records, for each operator call that runs inside a selected module (and not inside
-a selected child of it):
+`--level op` records, for each operator call that runs inside a selected module:
 
     r{req}.s{step}:{module}#{call}/{op}@{op_index}:out.{slot}   its outputs
-    r{req}.s{step}:{module}#{call}/{op}@{op_index}:in.{slot}    its tensor inputs (--inputs)
+    r{req}.s{step}:{module}#{call}/{op}@{op_index}:in.{slot}    inputs no link explains (below),
+                                                                every tensor input with --inputs
     r{req}.s{step}:{module}#{call}/{op}@{op_index}:shadow.{slot}  with --shadow REF.h5
 
-`op` is the dispatched overload as torch names it ("aten.mm.default", "aten._softmax.default",
-torch_npu's "npu.npu_rms_norm.default", a vLLM custom op "_C.rms_norm.default"): anything that
-reaches the dispatcher, custom ops included. `op_index` counts the RECORDED ops of that module
-call, in order. Input slots: positional argument i is "i", a keyword argument is its name, list
-elements add ".j" ("0.1" = second tensor of a cat's list). The first output record of each op
-call carries in /index/extra: {"site": "<file>:<line> in <function>" (the innermost Python frame
-outside torch and accucheck), "args": [...], "kwargs": {...}} with tensors as {"t": slot} and
-dtypes / devices / layouts as {"dtype": "float32"}, ...: enough to call the op again
-(`accucheck replay`).
+`module` is the innermost nn.Module whose call is running, selected or not: with
+`--include 'model.layers.3.mlp'` the matmuls are `model.layers.3.mlp.down_proj#0/aten.mm...`
+(every descendant of a selected module gets tracking hooks: a per-step call counter, no
+record of its own), so an op is named at its leaf on every device. `op` is the dispatched
+overload as torch names it ("aten.mm.default", "aten._softmax.default", torch_npu's
+"npu.npu_rms_norm.default", a vLLM custom op "_C.rms_norm.default"): anything that reaches the
+dispatcher, custom ops included. `op_index` counts the RECORDED ops of that module call, in
+order. Input slots: positional argument i is "i", a keyword argument is its name, list elements
+add ".j" ("0.1" = second tensor of a cat's list). The first output record of each op call
+carries in /index/extra: {"site": "<file>:<line> in <function>" (the innermost Python frame
+outside torch and accucheck), "args": [...], "kwargs": {...}, "src": {...}} with tensors as
+{"t": slot} and dtypes / devices / layouts as {"dtype": "float32"}, ...: enough to call the op
+again (`accucheck replay`). "src" (absent when empty) links input slots to the records that
+hold those tensors, as module records do (accucheck.capture.recorder); the MLP's product
+`model.layers.0.mlp#0/aten.mul.Tensor@0` has {"0": "model.layers.0.mlp.act_fn#0:out.0",
+"1": "model.layers.0.mlp.up_proj#0:out.0"} (a module's output record is registered after the
+ops inside it: the outermost record of a tensor is its producer). A floating-point input that
+is neither linked nor a weight is recorded as an "in" record of the op (a copy made by an
+unrecorded clone / contiguous, a tensor from outside the selection).
 
 Not recorded, so views and metadata do not flood the file: view ops (func.is_view: view,
 transpose, slice, expand, ...), pure copies and allocations (clone, copy_, detach, _unsafe_view,
@@ -30,7 +40,6 @@ that enter an op (mm's transposed weight) are recorded as op inputs with --input
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -43,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from accucheck.capture.recorder import flatten
 from accucheck.capture.shadow import (ShadowRecorder, ShadowSource, Unreplayable,
-                                      ref_tensor_lookup)
+                                      _no_dispatch_modes, ref_tensor_lookup)
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureWriter
@@ -133,12 +142,14 @@ def arg_slots(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def describe_call(args: tuple, kwargs: dict, site: str) -> str:
-    return json.dumps({
+def call_info(args: tuple, kwargs: dict, site: str) -> dict:
+    """The /index/extra object of an op call's first output record (the recorder adds the
+    input links under "src")."""
+    return {
         "site": site,
         "args": [encode_args(a, str(i)) for i, a in enumerate(args)],
         "kwargs": {k: encode_args(v, clean_slot(k)) for k, v in kwargs.items()},
-    }, separators=(",", ":"))
+    }
 
 
 def _rebuild_op_args(obj: Any, slot: str, tensor_for) -> Any:
@@ -183,11 +194,10 @@ class OpRecorder(ShadowRecorder):
     def record_op(self, func, args: tuple, kwargs: dict):
         frame = self._stack[-1]
         name = op_name(func)
-        ins = []
-        if self.record_inputs:  # before the call: in-place ops overwrite their inputs
-            ins = [(s, t) for s, t in arg_slots(args, kwargs)]
-            ins = [self.item(frame.module, "in", s, t, frame.call, name, -1, kind="op")
-                   for s, t in ins]
+        # before the call: in-place ops overwrite their inputs
+        with self.paused(), _no_dispatch_modes():
+            src, ins = self.link_inputs(arg_slots(args, kwargs), frame.module, frame.call,
+                                        op=name, kind="op")
         out = func(*args, **kwargs)
         outs = flatten(out)
         if not any(t.is_floating_point() or t.is_complex() for _, t in outs):
@@ -197,13 +207,12 @@ class OpRecorder(ShadowRecorder):
         occ = frame.occurrence.get(name, 0)
         frame.occurrence[name] = occ + 1
         self.n_ops += 1
-        extra = describe_call(args, kwargs, call_site(3))
         for p in ins:
             p.op_index = idx
-            self._pending.append(p)
-        for j, (slot, t) in enumerate(outs):
-            self._pending.append(self.item(frame.module, "out", slot, t, frame.call, name, idx,
-                                           extra if j == 0 else "", kind="op"))
+        self._pending.extend(ins)
+        with self.paused(), _no_dispatch_modes():
+            self._pending.extend(self.outputs(outs, frame.module, frame.call, src, name, idx,
+                                              call_info(args, kwargs, call_site(3)), kind="op"))
         if self.shadow is not None:
             self._shadow_op(func, name, occ, frame, args, kwargs)
         return out

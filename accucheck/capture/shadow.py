@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.recorder import Recorder, _Pending, flatten, tensor_stats, to_host
+from accucheck.capture.recorder import Recorder, _Frame, _Pending, flatten
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureReader, CaptureWriter, open_capture
@@ -68,6 +67,11 @@ class ShadowSource:
             self.reader.close()
             raise UserError(f"--shadow {path}: it holds statistics only; the reference must be "
                             f"captured with --store full --inputs")
+        if (self.reader.meta.get("options") or {}).get("record_inputs") is False:
+            # its "in" records are only the inputs no link explains (accucheck.capture.recorder)
+            self.reader.close()
+            raise UserError(f"--shadow {path}: it was captured without --inputs; capture the "
+                            f"reference with --store full --inputs")
         self._mod: dict[tuple, dict[str, str]] = {}
         self._ops: dict[tuple, tuple[int, dict[str, str]]] = {}
         occ: dict[tuple, int] = {}
@@ -161,45 +165,29 @@ def ref_tensor_lookup(source: ShadowSource, slots: dict[str, str]):
     return tensor_for
 
 
-@dataclass
-class _Frame:
-    module: str
-    call: int
-    n_ops: int = 0
-    occurrence: dict = field(default_factory=dict)
-
-
 class ShadowRecorder(Recorder):
-    """Recorder that also tracks the selected-module call stack and, with `shadow`, replays each
-    selected module call on the reference's recorded inputs (role "shadow").
+    """Recorder that also tracks the call stack down to every nn.Module inside the selected
+    ones and, with `shadow`, replays each selected module call on the reference's recorded
+    inputs (role "shadow").
 
-    Hooks of the base recorder are paused while a shadow call runs, so a replay records nothing
-    but its own shadow output. `shadow_counts` says how many calls were replayed / skipped.
+    The stack holds a frame per open call of a selected module and of every descendant of one
+    (an unselected descendant only gets tracking hooks: a call counter per step, no record), so
+    the op recorder can attribute an op to its innermost nn.Module. Hooks of the base recorder
+    are paused while a shadow call runs, so a replay records nothing but its own shadow output.
+    `shadow_counts` says how many calls were replayed / skipped.
     """
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
                  shadow: ShadowSource | None = None):
         super().__init__(model, writer, modules, record_inputs=record_inputs, graph=graph)
-        if shadow is not None and graph:
-            raise UserError("--shadow needs --mode eager (the replay runs module by module)")
+        if graph:
+            raise UserError("--shadow and --level op need --mode eager (the replay and the op "
+                            "attribution run module by module)")
         self.shadow = shadow
-        self._pause = 0
-        self._stack: list[_Frame] = []
-        self._calls: dict[str, int] = {}
-        self._last_call: dict[str, int] = {}
         self.shadow_counts = {"replayed": 0, "skipped": 0, "skipped_why": {}}
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._param_cache: dict[tuple, tuple] = {}
-
-    # -- pausing -------------------------------------------------------------------------
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        self._pause += 1
-        try:
-            yield
-        finally:
-            self._pause -= 1
 
     def _make_hook(self, name: str, role: str):
         inner = super()._make_hook(name, role)
@@ -207,14 +195,15 @@ class ShadowRecorder(Recorder):
         def hook(*args):
             if self._pause:
                 return None
-            with self.paused(), _no_dispatch_modes():  # its statistics are not model ops
+            with _no_dispatch_modes():  # its statistics are not ops of the model
                 return inner(*args)
         return hook
 
     # -- call stack ----------------------------------------------------------------------
     def _enter(self, name: str):
+        """Tracking pre-hook of an unselected descendant: a frame, counted, no record."""
         def pre(_mod, _args):
-            if self._pause:
+            if self._pause or not self._stack:  # only inside a selected module call
                 return None
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
@@ -224,14 +213,8 @@ class ShadowRecorder(Recorder):
 
     def _exit(self, name: str):
         def post(_mod, _args, _out):
-            if self._pause:
-                return None
-            # pop up to and including this module's frame (robust to a child that raised)
-            while self._stack:
-                f = self._stack.pop()
-                if f.module == name:
-                    self._last_call[name] = f.call
-                    break
+            if not self._pause:
+                self.pop_frame(name)
             return None
         return post
 
@@ -239,8 +222,8 @@ class ShadowRecorder(Recorder):
         def hook(mod, args, kwargs, output):
             if self._pause or self.shadow is None:
                 return None
-            call = self._last_call.get(name, 0)
-            self._shadow_module(mod, name, call, args, kwargs)
+            frame = self._closed.get(name)
+            self._shadow_module(mod, name, frame.call if frame else 0, args, kwargs)
             return None
         return hook
 
@@ -266,11 +249,11 @@ class ShadowRecorder(Recorder):
         for slot, t in flatten(out):
             self._pending.append(self.item(name, "shadow", slot, t, call))
 
-    def item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int,
-             op: str | None = None, op_index: int | None = None, extra: str = "",
+    def item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
+             op: str | None = None, op_index: int | None = None, extra: dict | None = None,
              kind: str = "module") -> _Pending:
         """A record with its key parts fixed now (statistics on the device, copy to the host
-        in full mode)."""
+        in full mode); a weight's statistics and copy are made once and reused."""
         ck = None
         if self._param_ptrs and t.untyped_storage().data_ptr() in self._param_ptrs:
             # a weight (or a view of one, e.g. mm's transposed weight): same every call
@@ -281,12 +264,10 @@ class ShadowRecorder(Recorder):
                 return _Pending(module, role, slot, kind, None, hit[0], hit[1], hit[2],
                                 tuple(t.shape), op, op_index, call, extra)
         with self.paused(), _no_dispatch_modes():
-            host, dtype = to_host(t) if self.full else (None, str(t.dtype).replace("torch.", ""))
-            stats = tensor_stats(t)
+            p = super().item(module, role, slot, t, call, op, op_index, extra, kind)
         if ck is not None:
-            self._param_cache[ck] = (stats, host, dtype)
-        return _Pending(module, role, slot, kind, None, stats, host, dtype,
-                        tuple(t.shape), op, op_index, call, extra)
+            self._param_cache[ck] = (p.stats, p.host, p.dtype)
+        return p
 
     # -- hooks ---------------------------------------------------------------------------
     @contextmanager
@@ -295,25 +276,24 @@ class ShadowRecorder(Recorder):
         with super().hooks():
             extra = []
             try:
+                selected = set(self.modules)
+                tracked: set[str] = set()
                 for name in self.modules:
-                    mod = by_name[name]
-                    # after the base "in" pre-hook: its statistics are not inside the call
-                    extra.append(mod.register_forward_pre_hook(self._enter(name)))
-                    # before the base "out" hook: its statistics are not inside the call
-                    extra.append(mod.register_forward_hook(self._exit(name), prepend=True,
-                                                           always_call=True))
+                    for sub, _ in by_name[name].named_modules(prefix=name):
+                        if sub not in selected and sub not in tracked:
+                            tracked.add(sub)
+                            m = by_name.get(sub)
+                            if m is None:  # a shared submodule named under another path
+                                continue
+                            extra.append(m.register_forward_pre_hook(self._enter(sub)))
+                            extra.append(m.register_forward_hook(self._exit(sub),
+                                                                 always_call=True))
                     if self.shadow is not None:
-                        extra.append(mod.register_forward_hook(self._shadow_hook(name),
-                                                               with_kwargs=True))
+                        extra.append(by_name[name].register_forward_hook(
+                            self._shadow_hook(name), with_kwargs=True))
                 self.handles.extend(extra)
                 yield self
             finally:
                 for h in extra:
                     h.remove()
                 self._stack.clear()
-
-    def begin_step(self, req: int, step: int) -> None:
-        super().begin_step(req, step)
-        self._stack.clear()
-        self._calls.clear()
-        self._last_call.clear()
