@@ -4,8 +4,10 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
 `diff_captures(ref, cand, golden=None, ...)` -> `DiffResult`:
 
 - Alignment is by record key (never by position). Keys present on one side only are listed in
-  `missing`; records whose shapes differ are kept with basis "shape" and fail; a dtype
-  difference only chooses the tolerance (see accucheck.tolerances).
+  `missing`; records whose shapes differ are kept with basis "shape" and fail. Tolerances come
+  from the two runs' compute dtypes (meta "dtype", see accucheck.tolerances): a record held in
+  another dtype on each side while the runs share one is a precision finding
+  (`DiffResult.precision_findings`), never a looser tolerance.
 - Prompts must match request by request, else UserError (exit 3). Generated tokens may differ:
   then only the steps up to and including the first differing token's step are compared (that
   step's logits are what chose the different token), and a note says so loudly.
@@ -16,11 +18,16 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
   overlap and the reference top-1/top-2 margin; the first token flip is a "near-tie" when that
   margin is below the logit noise (std of cand - ref over the vocabulary) at that position.
 - With a golden capture, each record gets `cand worse` / `ref worse` / `both within noise` from
-  RMSE(cand, golden) vs RMSE(ref, golden) with a multiplier (2 for fp32, 3 for 16-bit).
+  RMSE(cand, golden) vs RMSE(ref, golden) with a multiplier (2 for fp32, 3 for 16-bit runs) and
+  a floor of a tenth of the tolerance; the referee then decides `within` (a record fails only
+  when the candidate is worse), `within_tolerance` keeps the tolerance's verdict.
+- Producer links the capture stored (/index/extra "src") travel with each record as `src`, for
+  accucheck.locate's input errors.
 - Candidate records with role "shadow" (shadow replay) are paired with the reference's "out"
   record of the same site: their error is the local error of that module.
 
-`bool(result)` is True when every aligned record is within tolerance and no token flip is real.
+`result.within` is True when every aligned record is within tolerance (or, refereed, no worse
+than the reference) and no token flip is real. Results have no __bool__: ask `within`.
 """
 from __future__ import annotations
 

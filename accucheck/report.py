@@ -234,7 +234,7 @@ def to_json(a: Analysis) -> dict:
         "worst": div(L.worst),
         "suspicious": [dict(_key_fields(x.key), rel_l2=x.error, local=x.local,
                             gain=x.gain, peers_median=x.peers_median, ratio=x.ratio, peers=x.peers,
-                            peer_sites=x.peer_sites, kind=x.kind, tolerance=x.tolerance,
+                            kind=x.kind, tolerance=x.tolerance,
                             within=x.within) for x in L.suspicious],
         "precision_findings": [dict(_key_fields(r.key), ref_dtype=r.ref_dtype,
                                     cand_dtype=r.cand_dtype)

@@ -25,8 +25,10 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     [candidate]                             # same keys, plus
     teacher_forcing = true                  # decode the reference's tokens (default true)
     fault = { module = "model.layers.2.mlp", kind = "bf16" }   # TESTING / DEMO ONLY
-    [golden]                                # optional high-precision referee run (or capture)
-    dtype = "float64"
+    [golden]                                # the high-precision referee run (or capture);
+    dtype = "float64"                       # by default (no [golden] table, reference run
+                                            # here): float64 eager on the CPU, teacher-forced
+    # enabled = false                       # no referee (a model too big for float64 on CPU)
 
     [thresholds]                            # every key optional
     rel_l2 = 1e-3                           # per-record tolerance (default: dtype table)
@@ -264,13 +266,18 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     for role in ROLES:
         if role not in data:
             if role == "golden":
-                runs[role] = None
+                runs[role] = None  # the default referee is added below
                 continue
             runs[role] = _make_run(role, defaults, {}, src)
             continue
         t = top.get(role, dict)
         r = _Reader(src, t, f"{role}.")
-        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS)
+        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role == "golden" else set()))
+        if role == "golden" and not r.get("enabled", bool, True):
+            if set(t) != {"enabled"}:
+                raise r.fail("enabled", "= false turns the referee off: give no other key")
+            runs[role] = None
+            continue
         extra = _run_fields(r, defaults)
         cap = r.get("capture", str)
         if cap is not None:
@@ -294,6 +301,8 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     if runs["reference"].fault is not None:
         raise UserError(f"{src}: reference.fault: plant faults in the candidate, the reference "
                         f"is what is trusted")
+    if "golden" not in data and runs["reference"].capture is None:
+        runs["golden"] = default_golden(defaults)
     thr = _thresholds(top.get("thresholds", dict, {}), src)
     prev = top.get("previous", str)
     previous = rel(prev)
@@ -304,6 +313,16 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
                     runs["reference"], runs["candidate"], runs["golden"], previous, thr,
                     top.get("trust_remote_code", bool, False))
+
+
+def default_golden(defaults: dict) -> RunSpec:
+    """The referee a scenario gets unless it says `[golden] enabled = false`: the same model in
+    float64, eager, on the CPU (hf runner), every tensor stored, teacher-forced onto the
+    reference's tokens. Turn it off for a model too large for a float64 CPU run: the noise
+    floor then judges what the tolerances pass."""
+    keep = {k: v for k, v in defaults.items() if k in ("seed", "include", "exclude")}
+    return RunSpec("golden", runner="hf", device="cpu", dtype="float64", mode="eager",
+                   store="full", teacher_forcing=True, **keep)
 
 
 def _run_fields(r: _Reader, defaults: dict) -> dict:

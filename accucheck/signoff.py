@@ -54,9 +54,6 @@ class Check:
     op: str
     detail: str
 
-    def __bool__(self) -> bool:
-        return self.passed
-
 
 @dataclass(frozen=True)
 class Metrics:
@@ -130,7 +127,7 @@ class SignoffResult:
 
     @property
     def passed(self) -> bool:
-        return all(self.checks)
+        return all(c.passed for c in self.checks)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -446,6 +443,7 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
                             f"{'>=' if ok else '<'} {thr.layer_cosine}"))
     upper("logits_kl", m.max_logits_kl, thr.logits_kl, "max logits KL")
     lower("top1_agreement", m.top1_agreement, thr.top1_agreement, "top-1 agreement")
+    checks = [_refereed(c, a) for c in checks]
     lower("token_agreement", m.token_agreement, thr.token_agreement, "token agreement")
     checks.append(Check("real_flips", m.real_flips <= thr.real_flips, m.real_flips,
                         thr.real_flips, "<=",
@@ -460,6 +458,28 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
         checks.append(Check("regression", reg.verdict != "worse", len(worse), 0, "<=",
                             f"{reg.sentence}" + (f" ({', '.join(worse)})" if worse else "")))
     return tuple(checks)
+
+
+_REFEREED_CHECKS = {"layer_rel_l2": "layer", "layer_cosine": "layer", "logits_kl": "logits",
+                    "top1_agreement": "logits"}
+
+
+def _refereed(c: Check, a: Analysis) -> Check:
+    """With a golden referee, a failed layer / logits threshold passes when the referee judged
+    every record it measures (decoder-layer outputs, logits) and finds the candidate no worse
+    than the reference on any: the candidate differs from the reference, but is as close to
+    the truth (the referee decides, as it does for the records check)."""
+    what = _REFEREED_CHECKS.get(c.name)
+    if c.passed or what is None or a.diff.golden_path is None:
+        return c
+    keys = {str(p.key) for p in a.location.curve} if what == "layer" else \
+        {str(s.key) for s in a.diff.logits}
+    recs = [r for r in a.diff.records if str(r.key) in keys]
+    if not recs or not all(r.refereed for r in recs) or \
+            any(r.golden.label == "cand worse" for r in recs):
+        return c
+    return replace(c, passed=True, detail=f"{c.detail}, but the golden referee finds the "
+                   f"candidate no worse than the reference on all {len(recs)} {what} records")
 
 
 def _cosine(x: float | None) -> str:

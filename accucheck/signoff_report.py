@@ -270,27 +270,34 @@ def regression_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
 
 
 def divergence_lines(r: SignoffResult) -> list[str]:
+    """The culprit block: the same Culprit (accucheck.culprit) that `accucheck diff` prints."""
+    from accucheck.culprit import culprit_lines
+
     a = r.analysis
-    fd = a.location.first_divergence
+    L = a.location
+    fd = L.first_divergence
+    if fd is None and L.diffuse:
+        fo, wo = L.first_over, L.worst
+        return [f"No culprit: {len(a.diff.failed)} records over tolerance, but each is explained "
+                f"by what feeds it (diffuse / inherited error, x{_g(L.amplification)} rule).",
+                f"First over tolerance: {fo.module} (step {fo.step}, request {fo.key.req}), "
+                f"rel_l2 {_g(fo.error)}; largest: {wo.module} (step {wo.step}, request "
+                f"{wo.key.req}), rel_l2 {_g(wo.error)} (tolerance {_g(wo.tolerance)})."]
     if fd is None:
-        return ["No record is over tolerance: no divergence to locate."]
+        lines = ["No record is over tolerance: no divergence to locate."]
+        for x in L.suspicious[:3]:
+            lines.append(f"Suspicious (noise floor): {x.key}: rel_l2 {_g(x.error)}, amplifies "
+                         f"its input error x{_g(x.gain)}, its {x.peers} peers "
+                         f"x{_g(x.peers_median)}")
+        return lines
     rec = a.diff.record(fd.key)
-    inp = _g(fd.input_error) if fd.input_error is not None else "unknown (treated as exact)"
-    lines = [
-        f"Culprit: {fd.module} (step {fd.step}, request {fd.key.req}, "
-        f"{fd.key.role}.{fd.key.slot})",
-        f"Cause: {fd.cause}" + (" here: its output error is more than "
-                                f"{_g(a.location.amplification)}x its input error"
-                                if fd.cause == "introduced" else
-                                ": no recorded module introduces it (it grew gradually or "
-                                "comes from before the first record)"),
-        f"Error: rel_l2 {_g(fd.error)} (tolerance {_g(fd.tolerance)}), input rel_l2 {inp}"
-        + (f", amplification {_g(fd.amplification)}" if fd.input_error else ""),
-    ]
+    lines = [x.strip() for x in culprit_lines(a.culprit)]
+    lines.append(f"Cause: introduced here: its output error is more than "
+                 f"{_g(L.amplification)}x what feeds it")
     if fd.path:
         lines.append("Inside: " + " > ".join(fd.path))
     if fd.input_from:
-        lines.append("Input error from: " + ", ".join(fd.input_from))
+        lines.append(f"Input error ({fd.input_basis}) from: " + ", ".join(fd.input_from[:4]))
     if rec.golden is not None:
         lines.append(f"Golden referee: {rec.golden.label} (ref RMSE {_g(rec.golden.ref_rmse)}, "
                      f"cand RMSE {_g(rec.golden.cand_rmse)})")

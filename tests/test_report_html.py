@@ -85,7 +85,7 @@ def test_html_is_self_contained_with_real_plots(report):
     body = text.split("<body>", 1)[1]
     assert body.index('id="verdict"') < body.index("<h2>")
     assert "FAIL: tiny-planted-fault" in text
-    assert "Culprit: model.layers.2.post_attention_layernorm" in text
+    assert "CULPRIT: step 0, model.layers.2.post_attention_layernorm#0" in text
     assert '<tr class="differs"><td>planted fault</td>' in text
 
 

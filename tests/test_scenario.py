@@ -53,7 +53,11 @@ near_tie_flips = 2
 "*.mlp" = "rel_l2:1e-3"
 "model.norm" = 0.01
 """))
-    assert s.name == "s" and s.max_new_tokens == 4 and s.golden is None
+    assert s.name == "s" and s.max_new_tokens == 4
+    # no [golden] table: the default referee, float64 eager CPU, full, teacher-forced
+    g = s.golden
+    assert (g.dtype, g.device, g.mode, g.runner, g.store, g.teacher_forcing, g.fault) == \
+        ("float64", "cpu", "eager", "hf", "full", True, None)
     assert (s.reference.dtype, s.reference.store) == ("bfloat16", "stats")
     assert (s.candidate.dtype, s.candidate.store) == ("float16", "stats")
     assert s.candidate.teacher_forcing is False
@@ -147,3 +151,28 @@ def test_cli_unknown_key_exits_3_naming_it(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "thresholds.'logit_kl'" in lines[0] and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_golden_can_be_turned_off_and_only_with_enabled_alone(tmp_path):
+    s = load_scenario(write(tmp_path, """
+prompts = ["a"]
+[golden]
+enabled = false
+"""))
+    assert s.golden is None
+    with pytest.raises(UserError, match="golden.enabled = false turns the referee off"):
+        load_scenario(write(tmp_path, """
+prompts = ["a"]
+[golden]
+enabled = false
+dtype = "float64"
+"""))
+    # a reference given as a capture: no model run here, so no default referee
+    ref = tmp_path / "ref.h5"
+    ref.write_bytes(b"x")
+    s = load_scenario(write(tmp_path, f"""
+prompts = ["a"]
+[reference]
+capture = "{ref}"
+"""))
+    assert s.golden is None

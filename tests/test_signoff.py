@@ -99,7 +99,7 @@ def test_planted_fault_fails_with_culprit_named(fault):
     assert doc["planted_faults"] == [f"candidate: bf16 @ {CULPRIT}"]
     assert doc["runs"]["golden"]["capture"] == "captures/golden.h5"
     md = (out / "report.md").read_text()
-    assert f"Culprit: {CULPRIT}" in md and "Golden referee: cand worse" in md
+    assert f"CULPRIT: step 0, {CULPRIT}#0" in md and "Golden referee: cand worse" in md
     assert "WARNING: planted fault" in md
     # layers before the fault are exact, the faulty layer and after are not
     layers = {p["layer"]: p for p in doc["layers"] if p["step"] == 0 and p["req"] == 0}

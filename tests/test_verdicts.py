@@ -1,0 +1,340 @@
+"""The verdict rules on synthetic captures built so that the right rule and a plausible wrong one
+give different answers: an introduced fault behind an earlier inherited record, two introduced
+records, steps and requests interleaved, the KV-cache carry, a wrong residual add, producer
+links vs the residual proxy, precision findings, the golden referee, the noise floor. Each
+asserts the exact record / label / exit code."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from accucheck.culprit import find_culprit
+from accucheck.keys import RecordKey
+from accucheck.locate import analyze
+from accucheck.report import render, to_json, verdict_line
+from accucheck.store import CaptureWriter
+from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+                                  NOISE_FLOOR_MIN_FRACTION)
+
+H = 64
+_RUNS = itertools.count()
+
+
+def _stats(x):
+    f = x.astype(np.float64).ravel()
+    return np.array([f.min(), f.max(), f.mean(), f.std(), np.abs(f).max(), np.sqrt(f @ f),
+                     0, 0, (f == 0).sum(), f.size], dtype=np.float64)
+
+
+def cap(path, recs, *, dtype="float32", gen=((4, 5),), prompts=((1, 2, 3),)):
+    """recs: [(key, array, extra-dict-or-None, record-dtype-or-None)] in execution order."""
+    with CaptureWriter(path, meta={"dtype": dtype}, store="full") as w:
+        for k, x, extra, rdt in recs:
+            key = RecordKey.parse(k)
+            x = np.asarray(x, np.float32)
+            kind = "logits" if key.is_logits else ("op" if key.is_op else "module")
+            w.add(key, kind, rdt or "float32", x.shape, _stats(x),
+                  int(x.view(np.uint32).astype(np.int64).sum() % 2 ** 52), x,
+                  json.dumps(extra) if extra else "")
+        for i, (p, g) in enumerate(zip(prompts, gen)):
+            w.set_request(i, p, g)
+    return path
+
+
+class Run:
+    """A reference and a candidate built record by record; `err` sets the candidate's rel_l2."""
+
+    def __init__(self, seed=0):
+        self.rng = np.random.default_rng(seed)
+        self.ref, self.cand = [], []
+
+    def add(self, key, err=0.0, src=None, cand_dtype=None, shape=(1, 3, H)):
+        x = self.rng.standard_normal(shape)
+        if err:
+            n = self.rng.standard_normal(shape)
+            y = x + n * err * np.linalg.norm(x) / np.linalg.norm(n)
+        else:
+            y = x
+        extra = {"src": src} if src else None
+        self.ref.append((key, x, extra, None))
+        self.cand.append((key, y, extra, cand_dtype))
+        return self
+
+    def analyze(self, tmp_path, golden=None, **kw):
+        tmp_path = tmp_path / f"a{next(_RUNS)}"
+        tmp_path.mkdir()
+        steps = {RecordKey.parse(k).step for k, *_ in self.ref}
+        reqs = {RecordKey.parse(k).req for k, *_ in self.ref}
+        gen = tuple(tuple(range(4, 4 + max(steps) + 1)) for _ in reqs)
+        prompts = tuple((1, 2, 3) for _ in reqs)
+        r = cap(tmp_path / "ref.h5", self.ref, gen=gen, prompts=prompts)
+        c = cap(tmp_path / "cand.h5", self.cand, gen=gen, prompts=prompts,
+                dtype=kw.pop("cand_run_dtype", "float32"))
+        g = None
+        if golden is not None:
+            g = cap(tmp_path / "gold.h5", [(k, golden.get(k, x), None, None)
+                                          for k, x, _, _ in self.ref], gen=gen, prompts=prompts)
+        return analyze(r, c, g, **kw)
+
+
+def layer(run, req, step, i, errs=None, links=True):
+    """A Llama-like layer: norm -> attn -> norm(in: residual sum) -> mlp -> layer out."""
+    e = dict(errs or {})
+    p = f"r{req}.s{step}:model.layers.{i}"
+    prev = f"model.layers.{i - 1}#0:out.0" if i else "model.embed_tokens#0:out.0"
+    run.add(f"{p}.input_layernorm#0:out.0", e.get("input_layernorm", 0.0),
+            {"0": prev} if links else None)
+    run.add(f"{p}.self_attn#0:out.0", e.get("self_attn", 0.0),
+            {"hidden_states": f"model.layers.{i}.input_layernorm#0:out.0"} if links else None)
+    run.add(f"{p}.post_attention_layernorm#0:in.0", e.get("post_in", 0.0))
+    run.add(f"{p}.post_attention_layernorm#0:out.0", e.get("post_attention_layernorm", 0.0))
+    run.add(f"{p}.mlp#0:out.0", e.get("mlp", 0.0),
+            {"0": f"model.layers.{i}.post_attention_layernorm#0:out.0"} if links else None)
+    run.add(f"{p}#0:out.0", e.get("layer", 0.0), {"0": prev} if links else None)
+
+
+def model_run(run, req=0, step=0, layers=4, faults=None, links=True):
+    run.add(f"r{req}.s{step}:model.embed_tokens#0:out.0")
+    for i in range(layers):
+        layer(run, req, step, i, (faults or {}).get(i), links)
+
+
+# ----------------------------------------------------------------- first divergence
+
+def test_first_introduced_wins_over_an_earlier_inherited_record(tmp_path):
+    """Layer 1's norm is over tolerance but inherited (its input is as wrong); layer 3's mlp
+    introduces. The first over-tolerance record is NOT the culprit."""
+    run = Run()
+    model_run(run, faults={1: {"post_in": 1e-3, "post_attention_layernorm": 1.2e-3,
+                               "mlp": 1.1e-3, "layer": 1e-3},
+                           2: {"input_layernorm": 1e-3, "self_attn": 1e-3, "post_in": 1e-3,
+                               "post_attention_layernorm": 1e-3, "mlp": 1e-3, "layer": 1e-3},
+                           3: {"input_layernorm": 1e-3, "self_attn": 1e-3, "post_in": 1e-3,
+                               "post_attention_layernorm": 1e-3, "mlp": 2e-2, "layer": 2e-2}})
+    a = run.analyze(tmp_path)
+    L = a.location
+    assert str(L.first_over.key) == "r0.s0:model.layers.1.post_attention_layernorm#0:in.0" or \
+        L.first_over.key.module == "model.layers.1.post_attention_layernorm"
+    assert L.first_over.cause == "inherited"
+    assert str(L.first_divergence.key) == "r0.s0:model.layers.3.mlp#0:out.0"
+    assert L.first_divergence.input_basis == "links"
+    assert a.culprit.where == "model.layers.3.mlp#0" and a.exit_code == 1
+
+
+def test_the_first_introduced_not_the_largest(tmp_path):
+    run = Run()
+    model_run(run, faults={1: {"mlp": 1e-3, "layer": 1e-3},
+                           2: {"input_layernorm": 1e-3, "self_attn": 1e-3, "post_in": 1e-3,
+                               "post_attention_layernorm": 1e-3, "mlp": 1e-1, "layer": 1e-1}})
+    a = run.analyze(tmp_path)
+    assert str(a.location.first_divergence.key) == "r0.s0:model.layers.1.mlp#0:out.0"
+    assert a.location.top[0].key.module == "model.layers.2.mlp"  # the largest is ranked first
+    assert a.culprit.where == "model.layers.1.mlp#0"
+
+
+def test_default_amplification_is_four(tmp_path):
+    """An output 6x its input error is introduced at the default (4), not at 10."""
+    run = Run()
+    model_run(run, layers=2, faults={0: {"post_in": 1e-4, "post_attention_layernorm": 6e-4,
+                                         "mlp": 6e-4, "layer": 6e-4},
+                                     1: {k: 6e-4 for k in ("input_layernorm", "self_attn",
+                                                           "post_in",
+                                                           "post_attention_layernorm", "mlp",
+                                                           "layer")}})
+    a = run.analyze(tmp_path)
+    assert DEFAULT_AMPLIFICATION == 4.0
+    assert a.location.first_divergence.key.module == "model.layers.0.post_attention_layernorm"
+    assert run.analyze(tmp_path, amplification=10.0).location.first_divergence is None
+
+
+def test_earliest_step_first_then_request(tmp_path):
+    """Request 1 step 0 comes before request 0 step 1 (walk: step, then request)."""
+    run = Run()
+    model_run(run, req=0, step=0, layers=2)
+    model_run(run, req=1, step=0, layers=2, faults={1: {"mlp": 1e-2, "layer": 1e-2}})
+    run.add("r0.s1:model.embed_tokens#0:out.0", shape=(1, 1, H))
+    run.add("r0.s1:model.layers.0.mlp#0:out.0", 1e-2, shape=(1, 1, H),
+            src={"0": "model.embed_tokens#0:out.0"})
+    a = run.analyze(tmp_path)
+    fd = a.location.first_divergence
+    assert (fd.key.req, fd.step, fd.key.module) == (1, 0, "model.layers.1.mlp")
+    assert verdict_line(a).startswith("FAIL: divergence starts at step 0, request 1, "
+                                      "model.layers.1.mlp (out.0)")
+
+
+def test_kv_cache_carry_makes_a_decode_step_inherited(tmp_path):
+    """Step 0: the attention's error is under tolerance (3e-5); step 1: over (1e-4) with an
+    exact input. The cache carries step 0's error: inherited (1e-4 < 4 x 3e-5), no culprit."""
+    run = Run()
+    for step, err in ((0, 3e-5), (1, 1e-4)):
+        n = 3 if step == 0 else 1
+        run.add(f"r0.s{step}:model.embed_tokens#0:out.0", shape=(1, n, H))
+        run.add(f"r0.s{step}:model.layers.0.self_attn#0:out.0", err, shape=(1, n, H),
+                src={"hidden_states": "model.embed_tokens#0:out.0"})
+    a = run.analyze(tmp_path)
+    x = next(x for x in a.location.records if str(x.key) == "r0.s1:model.layers.0.self_attn#0:out.0")
+    assert x.input_error == pytest.approx(3e-5, rel=1e-3) and x.cause == "inherited"
+    assert x.input_from == ("model.layers.0.self_attn#0:out.0 at step 0",)
+    assert a.location.first_divergence is None and a.location.diffuse and a.culprit is None
+
+
+def test_a_wrong_residual_add_blames_the_container(tmp_path):
+    run = Run()
+    model_run(run, layers=2, faults={0: {"layer": 1e-3},
+                                     1: {k: 1e-3 for k in ("input_layernorm", "self_attn",
+                                                           "post_in",
+                                                           "post_attention_layernorm", "mlp",
+                                                           "layer")}})
+    a = run.analyze(tmp_path)
+    fd = a.location.first_divergence
+    assert str(fd.key) == "r0.s0:model.layers.0#0:out.0" and fd.inner_error == 0.0
+
+
+def test_links_beat_the_residual_proxy(tmp_path):
+    """A parallel block (attention and MLP both read the norm's output, GPT-J style): the MLP's
+    producer is the exact norm, not the attention recorded just before it. With links the MLP
+    is introduced (2e-3 over an exact input); the proxy (previous record: the attention, 1e-3)
+    would call it inherited."""
+    def build(links):
+        run = Run()
+        run.add("r0.s0:model.embed_tokens#0:out.0")
+        run.add("r0.s0:model.layers.0.ln#0:out.0",
+                src={"0": "model.embed_tokens#0:out.0"} if links else None)
+        run.add("r0.s0:model.layers.0.attn#0:out.0", 1e-3,
+                src={"0": "model.layers.0.ln#0:out.0"} if links else None)
+        run.add("r0.s0:model.layers.0.mlp#0:out.0", 2e-3,
+                src={"0": "model.layers.0.ln#0:out.0"} if links else None)
+        return run.analyze(tmp_path / ("l" if links else "p"))
+    (tmp_path / "l").mkdir()
+    (tmp_path / "p").mkdir()
+    mlp = "r0.s0:model.layers.0.mlp#0:out.0"
+    linked = {str(x.key): x for x in build(True).location.records}[mlp]
+    proxied = {str(x.key): x for x in build(False).location.records}[mlp]
+    assert (linked.cause, linked.input_basis, linked.input_error) == ("introduced", "links", 0.0)
+    assert linked.input_from == ("r0.s0:model.layers.0.ln#0:out.0",)
+    assert (proxied.cause, proxied.input_basis) == ("inherited", "proxy")
+    assert proxied.input_error == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_proxy_is_the_immediately_preceding_record_not_the_worst(tmp_path):
+    """No links (graph-mode capture): layer 2's norm input is layer 1 (exact), although layer 0
+    carried an inherited error earlier: the norm fault is introduced."""
+    run = Run()
+    run.add("r0.s0:model.embed_tokens#0:out.0")
+    run.add("r0.s0:model.layers.0#0:out.0", 2e-3)       # over tolerance, nothing feeds it
+    run.add("r0.s0:model.layers.1#0:out.0", 1e-6)       # the error died out
+    run.add("r0.s0:model.layers.2.input_layernorm#0:out.0", 2e-3)
+    run.add("r0.s0:model.layers.2#0:out.0", 2e-3)
+    a = run.analyze(tmp_path)
+    locs = {str(x.key): x for x in a.location.records}
+    n = locs["r0.s0:model.layers.2.input_layernorm#0:out.0"]
+    assert n.input_basis == "proxy" and n.input_error == pytest.approx(1e-6, rel=1e-3)
+    assert n.cause == "introduced"
+    assert str(a.location.first_divergence.key) == "r0.s0:model.layers.0#0:out.0"
+
+
+# ----------------------------------------------------------------- precision, referee
+
+def test_record_computed_in_float16_is_judged_at_float32_and_reported(tmp_path):
+    run = Run()
+    run.add("r0.s0:model.embed_tokens#0:out.0")
+    run.add("r0.s0:model.layers.0.self_attn#0/aten.bmm.default@0:out.0",
+            src={"0": "model.embed_tokens#0:out.0"})
+    run.add("r0.s0:model.layers.0.self_attn#0/aten._softmax.default@1:out.0", 4e-4,
+            cand_dtype="float16", src={"0": "model.layers.0.self_attn#0/aten.bmm.default@0:out.0"})
+    run.add("r0.s0:model.layers.0.self_attn#0/aten.bmm.default@2:out.0", 4e-4,
+            src={"0": "model.layers.0.self_attn#0/aten._softmax.default@1:out.0"})
+    run.add("r0.s0:model.layers.0.self_attn#0:out.0", 4e-4,
+            src={"hidden_states": "model.embed_tokens#0:out.0"})
+    a = run.analyze(tmp_path)
+    sm = next(r for r in a.diff.records if r.key.op == "aten._softmax.default")
+    assert sm.tolerance.rel_l2 == 5e-5 and not sm.within   # float16's 1e-2 would pass it
+    assert [r.key.op for r in a.diff.precision_findings] == ["aten._softmax.default"]
+    c = a.culprit
+    assert c.op == "aten._softmax.default" and c.precision.startswith(
+        "candidate computes aten._softmax.default in float16, reference in float32")
+    assert a.location.first_divergence.key == c.op_key
+    assert "PRECISION: r0.s0:model.layers.0.self_attn#0/aten._softmax.default@1:out.0" in render(a)
+
+
+def test_whole_run_dtype_difference_sets_the_tolerance_not_a_finding(tmp_path):
+    run = Run()
+    model_run(run, layers=1, faults={0: {"mlp": 1e-2, "layer": 1e-2}})
+    a = run.analyze(tmp_path, cand_run_dtype="bfloat16")
+    assert {r.tolerance.rel_l2 for r in a.diff.records if not r.key.is_logits} == {5e-2}
+    assert a.diff.precision_findings == () and a.exit_code == 0
+
+
+def test_golden_referee_decides_pass_and_culprit(tmp_path):
+    """Both sides over tolerance vs each other at the mlp, but the golden finds the candidate
+    no worse: pass. A candidate worse than the reference: fail there."""
+    run = Run(1)
+    model_run(run, layers=1, faults={0: {"mlp": 1e-3, "layer": 1e-3}})
+    gold = {k: x for k, x, _, _ in run.ref}
+    # golden halfway between ref and cand on the mlp: both within noise
+    for k, x, _, _ in run.ref:
+        y = next(c for kk, c, _, _ in run.cand if kk == k)
+        gold[k] = (x + y) / 2
+    a = run.analyze(tmp_path, golden=gold)
+    mlp = next(r for r in a.diff.records if r.key.module == "model.layers.0.mlp")
+    assert not mlp.within_tolerance and mlp.golden.label == "both within noise" and mlp.within
+    assert a.exit_code == 0 and a.location.suspicious == ()
+    assert "judged no worse than the reference by the golden referee" in verdict_line(a)
+    gold2 = {k: x for k, x, _, _ in run.ref}  # golden == reference: the candidate is worse
+    a2 = run.analyze(tmp_path, golden=gold2)
+    assert a2.exit_code == 1 and a2.culprit.where == "model.layers.0.mlp#0"
+    assert a2.culprit.golden == "cand worse"
+
+
+# ----------------------------------------------------------------- noise floor, reporting
+
+def test_noise_floor_names_the_outlier_within_tolerance(tmp_path):
+    """bf16-like runs: every down_proj amplifies its input x1; one x20 (still under 5e-2)."""
+    run = Run(2)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    for i in range(8):
+        prev = f"model.layers.{i - 1}#0:out.0" if i else "model.embed_tokens#0:out.0"
+        e_in = 1e-3
+        run.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:in.0", e_in)
+        run.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:out.0", 2e-2 if i == 5 else 1e-3)
+        run.add(f"r0.s0:model.layers.{i}#0:out.0", 1e-3, src={"0": prev})
+    a = run.analyze(tmp_path, cand_run_dtype="bfloat16")
+    assert a.exit_code == 0
+    sus = a.location.suspicious
+    assert [str(s.key) for s in sus] == ["r0.s0:model.layers.5.mlp.down_proj#0:out.0"]
+    s = sus[0]
+    assert s.gain == pytest.approx(20, rel=0.05) and s.peers == 6 and s.within  # layers 1-4, 6-7
+    assert s.ratio > NOISE_FLOOR_FACTOR and s.local > NOISE_FLOOR_MIN_FRACTION * s.tolerance
+    assert "SUSPICIOUS" in verdict_line(a) and to_json(a)["suspicious"][0]["key"] == str(s.key)
+    # x4 above its peers is not enough (the factor is 5)
+    run2 = Run(2)
+    run2.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    for i in range(8):
+        run2.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:in.0", 1e-3)
+        run2.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:out.0", 6e-3 if i == 5 else 1.5e-3)
+    assert run2.analyze(tmp_path, cand_run_dtype="bfloat16").location.suspicious == ()
+
+
+def test_diffuse_error_prints_no_culprit(tmp_path):
+    """The embedding is a little off (within tolerance), every layer grows it less than 4x:
+    over tolerance from layer 0 on, introduced nowhere."""
+    run = Run()
+    run.add("r0.s0:model.embed_tokens#0:out.0", 3e-5)
+    for i, e in enumerate((1e-4, 2e-4, 3e-4)):
+        run.add(f"r0.s0:model.layers.{i}#0:out.0", e,
+                src={"0": f"model.layers.{i - 1}#0:out.0" if i else "model.embed_tokens#0:out.0"})
+    a = run.analyze(tmp_path)
+    assert a.exit_code == 1 and a.culprit is None and find_culprit(a) is None
+    line = verdict_line(a)
+    assert line.startswith("FAIL: 3 records over tolerance, but no record introduces the error "
+                           "(diffuse / inherited): first at step 0, model.layers.0 (out.0)")
+    assert "largest at step 0, model.layers.2 (out.0)" in line
+    j = to_json(a)
+    assert j["diffuse"] is True and j["first_divergence"] is None and j["culprit"] is None
+    assert j["worst"]["module"] == "model.layers.2" and j["first_over"]["cause"] == "inherited"
+    assert "CULPRIT" not in render(a) and "No culprit" in render(a)
+    assert math.isclose(a.location.worst.error, 3e-4, rel_tol=1e-3)
