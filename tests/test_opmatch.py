@@ -49,9 +49,50 @@ def test_fused_kernel_pairs_final_outputs_and_leaves_the_rest_one_sided():
 
 
 def test_data_breaks_ties_between_same_op_and_shape():
+    """Two reference ops equal in name and shape: the candidate pairs with the one holding the
+    same data, whether it comes first or last (without the data score the backtrack would
+    pick the last one every time)."""
     ref = [("aten.mul.Tensor", H, 3.0), ("aten.mul.Tensor", H, 40.0)]
     cand = [("aten.mul.Tensor", H, 40.0001)]
     assert align(_seq(ref), _seq(cand)) == [(1, 0, "aligned")]
+    ref = [("aten.mul.Tensor", H, 40.0), ("aten.mul.Tensor", H, 3.0)]
+    assert align(_seq(ref), _seq(cand)) == [(0, 0, "exact")]
+    # the same on the candidate side: two candidates, the reference pairs with its data
+    assert align(_seq([("aten.mul.Tensor", H, 40.0)]),
+                 _seq([("aten.mul.Tensor", H, 40.0001), ("aten.mul.Tensor", H, 3.0)])) == \
+        [(0, 0, "exact")]
+    assert align(_seq([("aten.mul.Tensor", H, 3.0)]),
+                 _seq([("aten.mul.Tensor", H, 3.0), ("aten.mul.Tensor", H, 40.0)])) == \
+        [(0, 0, "exact")]
+
+
+def test_same_overload_breaks_ties_at_equal_data():
+    ref = [("aten.mul.Tensor", H, 5.0), ("aten.mul.Scalar", H, 5.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 5.0)])) == [(0, 0, "exact")]
+    assert align(_seq(ref), _seq([("aten.mul.Scalar", H, 5.0)])) == [(1, 0, "aligned")]
+    # the overload is worth 0.5 of data agreement: the same overload with data 0.375 worse
+    # (l2 10 vs 16) still wins; with data 0.7 worse (10 vs 33.3) it loses
+    ref = [("aten.mul.Tensor", H, 10.0), ("aten.mul.Scalar", H, 16.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Scalar", H, 10.0)])) == [(1, 0, "aligned")]
+    ref = [("aten.mul.Tensor", H, 10.0), ("aten.mul.Scalar", H, 10.0 / 0.3)]
+    assert align(_seq(ref), _seq([("aten.mul.Scalar", H, 10.0)])) == [(0, 0, "aligned")]
+
+
+def test_data_tie_break_is_relative_and_saturates():
+    """The data term is 1 - |l2 difference| / larger l2, floored at 0: the closer relative
+    match wins even when both are far apart in absolute terms."""
+    ref = [("aten.mul.Tensor", H, 1000.0), ("aten.mul.Tensor", H, 2000.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 1900.0)])) == [(1, 0, "aligned")]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 1100.0)])) == [(0, 0, "exact")]
+    # data outweighs the overload bonus (+0.5) ...
+    ref = [("aten.mul.Tensor", H, 50.0), ("aten.mul.Scalar", H, 5.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 5.0)])) == [(1, 0, "aligned")]
+    # ... but non-finite statistics give no data term (3.5 vs 3 + 0.1 for a 10x l2 gap)
+    ref = [("aten.mul.Tensor", H, float("inf")), ("aten.mul.Scalar", H, 50.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 5.0)])) == [(0, 0, "exact")]
+    # a finite pair with data 0.8 (l2 4 vs 5) beats the overload bonus of a non-finite one
+    ref = [("aten.mul.Tensor", H, float("inf")), ("aten.mul.Scalar", H, 4.0)]
+    assert align(_seq(ref), _seq([("aten.mul.Tensor", H, 5.0)])) == [(1, 0, "aligned")]
 
 
 def test_extra_candidate_op_is_one_sided_not_a_shift():
@@ -62,11 +103,80 @@ def test_extra_candidate_op_is_one_sided_not_a_shift():
 
 
 def test_different_op_names_never_pair_outside_a_fused_region():
+    """Ops with different operators pair only as the END of a fused region (both runs between
+    two anchors, same final shape). Anywhere else they stay one-sided."""
+    mm = ("aten.mm.default", (5, 256), 3.0)
+    # not the last op of its run: silu stays one-sided, the run's last op (add) takes the pair
+    ref = [("aten.silu.default", H, 5.0), ("aten.add.Tensor", H, 6.0), mm]
+    cand = [("aten.gelu.default", H, 5.0), mm]
+    assert align(_seq(ref), _seq(cand)) == [(1, 0, "fused"), (2, 1, "aligned")]
+    # the runs end with different shapes: no fused region, nothing pairs across operators
+    cand = [("aten.gelu.default", (1, 5, 128), 5.0), mm]
+    ref = [("aten.silu.default", H, 5.0), mm]
+    assert align(_seq(ref), _seq(cand)) == [(1, 1, "exact")]
+    # no anchor after them and different shapes: nothing at all
+    assert align(_seq([("aten.silu.default", H, 5.0)]),
+                 _seq([("aten.gelu.default", R, 5.0)])) == []
+    # and alignment proper (exact / aligned) never pairs different operators
+    ref = [("aten.silu.default", H, 5.0), ("aten.gelu.default", H, 5.0), mm]
+    cand = [("aten.gelu.default", H, 5.0), ("aten.silu.default", H, 5.0), mm]
+    for i, j, kind in align(_seq(ref), _seq(cand)):
+        if kind != "fused":
+            assert ref[i][0] == cand[j][0], (i, j, kind)
+
+
+def test_a_one_to_one_gap_before_an_anchor_is_a_trivial_fused_region():
     ref = [("aten.silu.default", H, 5.0), ("aten.mm.default", (5, 256), 3.0)]
     cand = [("aten.gelu.default", H, 5.0), ("aten.mm.default", (5, 256), 3.0)]
-    pairs = align(_seq(ref), _seq(cand))
-    # a 1:1 gap before an anchor is a (trivial) fused region: compared, named on both sides
-    assert pairs == [(0, 0, "fused"), (1, 1, "exact")]
+    # compared (as "fused": different operators with the same result shape), named on both sides
+    assert align(_seq(ref), _seq(cand)) == [(0, 0, "fused"), (1, 1, "exact")]
+
+
+def _two_outputs(seq, i: int, shape2):
+    """seq with op i given a second output (slot 1) of shape2, as a fused norm returning
+    (y, rstd) has."""
+    from dataclasses import replace
+
+    c = seq[i]
+    extra = replace(c.outs[0], key=replace(c.outs[0].key, slot="1"), shape=shape2)
+    return seq[:i] + [replace(c, outs=c.outs + (extra,))] + seq[i + 1:]
+
+
+def test_fused_kernel_with_two_outputs_pairs_by_its_first_output():
+    mm = ("aten.mm.default", (5, 256), 30.0)
+    ref = _seq(DECOMPOSED[:6] + [mm])
+    cand = _two_outputs(_seq([("npu.npu_rms_norm.default", H, 16.5), mm]), 0, R)
+    assert align(ref, cand) == [(5, 0, "fused"), (6, 1, "aligned")]
+    # the same with the multi-output op on the reference side
+    ref = _two_outputs(_seq([("npu.npu_rms_norm.default", H, 16.5), mm]), 0, R)
+    cand = _seq(DECOMPOSED[:6] + [mm])
+    assert align(ref, cand) == [(0, 5, "fused"), (1, 6, "aligned")]
+
+
+def test_fused_region_with_another_final_shape_is_not_compared(tmp_path):
+    """A fused kernel whose output has another shape than the decomposed chain's last op (e.g. a
+    kernel that also returns a reduced statistic first): the two are not paired, so the diff
+    reports no false shape error; both runs are listed as fused / absent."""
+    from test_diff import write
+
+    from accucheck.diff import diff_captures
+
+    mod = "r0.s0:model.layers.0.input_layernorm#0/"
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal(H), rng.standard_normal((5, 256))
+    ref = {f"{mod}aten.pow.Tensor_Scalar@0:out.0": x, f"{mod}aten.mul.Tensor@1:out.0": x,
+           f"{mod}aten.mm.default@2:out.0": y}
+    cand = {f"{mod}npu.npu_rms_norm.default@0:out.0": rng.standard_normal(R),
+            f"{mod}npu.npu_cast.default@1:out.0": rng.standard_normal((1, 5, 128)),
+            f"{mod}aten.mm.default@2:out.0": y}
+    d = diff_captures(write(tmp_path / "r.h5", ref), write(tmp_path / "c.h5", cand))
+    assert [str(r.key) for r in d.records] == [f"{mod}aten.mm.default@2:out.0"]
+    assert d.within and not [r for r in d.records if r.basis == "shape"]
+    assert d.ops.n_fused == 0 and len(d.ops.one_sided) == 4
+    # the same chain ending in the fused kernel's shape IS compared by its final output
+    cand[f"{mod}npu.npu_cast.default@1:out.0"] = x
+    d = diff_captures(write(tmp_path / "r2.h5", ref), write(tmp_path / "c2.h5", cand))
+    assert d.ops.n_fused == 1 and d.record(f"{mod}aten.mul.Tensor@1:out.0").error == 0.0
 
 
 def test_alignment_sites_lookup():
