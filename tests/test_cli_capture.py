@@ -175,3 +175,47 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_capture():
         with pytest.raises(KeyboardInterrupt):
             guard.check()  # the next step boundary raises it again
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_capture_flags_and_environment_are_recorded(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--compression, --deterministic, --seed, --include and the numerics environment
+    variables, through the CLI: each one lands in the file."""
+    import h5py
+    import torch
+
+    from accucheck.store import open_capture
+
+    out = tmp_path / "c.h5"
+    for k, v in (("HCCL_DETERMINISTIC", "true"), ("VLLM_BATCH_INVARIANT", "1"),
+                 ("VLLM_ASCEND_ENABLE_NZ", "0"), ("ACCUCHECK_UNRELATED", "x")):
+        monkeypatch.setenv(k, v)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        code, _, err = run(["capture", tiny_dir, "--prompt", "hi there", "--store", "full",
+                            "--compression", "gzip", "--deterministic", "--seed", "7",
+                            "--include", "model.layers.0.mlp", "-o", out], capsys)
+    finally:  # --deterministic switches torch for the whole process
+        torch.use_deterministic_algorithms(was)
+    assert code == 0, err
+    with open_capture(out) as c:
+        meta = c.meta
+        keys = [str(x.key) for x in c.rows]
+    recorded = meta["environment"]["env"]
+    assert recorded["HCCL_DETERMINISTIC"] == "true" and recorded["VLLM_BATCH_INVARIANT"] == "1"
+    assert recorded["VLLM_ASCEND_ENABLE_NZ"] == "0" and "ACCUCHECK_UNRELATED" not in recorded
+    assert meta["determinism"]["torch.use_deterministic_algorithms"] is True
+    assert meta["options"]["compression"] == "gzip" and meta["options"]["deterministic"] is True
+    assert meta["seed"]["seed"] == 7 and meta["options"]["seed"] == 7
+    assert "r0.s0:model.layers.0.mlp#0:out.0" in keys  # --include: that module (and logits)
+    assert {k.split(":")[1].split("#")[0] for k in keys} == {"model.layers.0.mlp", "logits"}
+    with h5py.File(out, "r") as f:
+        ds = [f["tensors"][n] for n in f["tensors"]]
+        assert ds and {d.compression for d in ds} == {"gzip"}
+    # without the flags: nothing switched, nothing compressed
+    code, _, err = run(["capture", tiny_dir, "--prompt", "hi there", "--store", "full",
+                        "--include", "model.layers.0.mlp", "-o", tmp_path / "plain.h5"], capsys)
+    assert code == 0, err
+    with open_capture(tmp_path / "plain.h5") as c:
+        assert c.meta["determinism"] == {} and c.meta["options"]["compression"] is None
+    with h5py.File(tmp_path / "plain.h5", "r") as f:
+        assert {f["tensors"][n].compression for n in f["tensors"]} == {None}
