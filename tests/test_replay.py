@@ -64,3 +64,41 @@ def test_replay_needs_op_records(tiny, tmp_path):
     capture_model(model, PROMPT, tmp_path / "m.h5", tokenizer=tok, store="full")
     with pytest.raises(UserError, match="--level op"):
         replay_ops(tmp_path / "m.h5")
+
+
+def test_cli_replay_exits_1_when_this_device_is_worse(tiny, tmp_path, capsys):
+    """A healthy recording replayed on a 'device' whose SiLU computes in float16 (planted here,
+    float32 calls only: the float64 golden stays exact): `here worse`, exit 1, FAIL line."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from accucheck.capture.faults import _op_fault
+
+    model, tok = tiny
+    healthy = tmp_path / "gpu.h5"
+    capture_model(model, PROMPT, healthy, tokenizer=tok, level="op", store="full",
+                  record_inputs=True, include=("model.layers.1.mlp",))
+    _, fp16 = _op_fault("op:aten.silu:fp16")
+
+    class HereFp16Silu(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if str(func).startswith("aten.silu") and args[0].dtype == torch.float32:
+                return fp16(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    with HereFp16Silu(), pytest.raises(SystemExit) as e:
+        main(["replay", str(healthy), "--op", SILU, "--format", "json"])
+    assert e.value.code == 1
+    j = json.loads(capsys.readouterr().out)
+    (o,) = j["ops"]
+    assert j["verdict"] == "fail" and o["label"] == "here worse"
+    assert o["ref_vs_golden"] < 1e-6 < 1e-4 < o["here_vs_golden"]
+    with HereFp16Silu(), pytest.raises(SystemExit) as e:
+        main(["replay", str(healthy), "--op", SILU])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and out.startswith("FAIL: 1 of 1 op(s) compute further from float64")
+    # the same recording replayed on a healthy device: exit 0
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(healthy), "--op", SILU])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("PASS: 1 op(s) replayed")
