@@ -60,9 +60,10 @@ def test_identical_runs_pass(identical):
     assert res.summary.startswith("PASS: tiny-identical")
     assert res.culprit is None and res.metrics.max_layer_rel_l2 == 0.0
     assert res.metrics.token_agreement == 1.0 and res.metrics.max_logits_kl == 0.0
-    assert {c.name for c in res.checks} == {"records", "layer_rel_l2", "layer_cosine",
+    # the documented order (docs/signoff-json.md), not just the set
+    assert [c.name for c in res.checks] == ["records", "layer_rel_l2", "layer_cosine",
                                             "logits_kl", "top1_agreement", "token_agreement",
-                                            "real_flips", "near_tie_flips"}
+                                            "real_flips", "near_tie_flips"]
     doc = _json(out)
     assert list(doc) == TOP_KEYS
     assert doc["schema"] == "accucheck.signoff" and doc["schema_version"] == 1
