@@ -37,7 +37,9 @@ class CaptureOptions:
 
     store: "stats" (index only, cheap) or "full" (tensors too).
     include / exclude: glob patterns on module paths (include replaces the default selection).
-    record_inputs: also record module inputs (role "in"), needed for shadow replay.
+    record_inputs: record every module input (role "in"), needed for shadow replay. Without
+    it, eager captures still record the floating-point inputs that no producer link explains
+    (accucheck.capture.recorder); graph captures record none.
     tokens_from: a reference capture whose prompt and generated token ids this run must follow.
     compile_backend: torch.compile backend for mode "graph" (default: inductor, or the torchair
     NPU backend on NPU when installed).
@@ -148,7 +150,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     before = _compile_stats() if opts.mode == "graph" else {}
     ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
     try:
-        with interruptible() as guard, recorder.hooks():
+        with interruptible() as guard, recorder.hooks(), _dynamo_quiet(opts.mode):
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
             forward = torch.compile(model, backend=backend, dynamic=True) \
                 if opts.mode == "graph" else model
@@ -305,6 +307,21 @@ def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> tuple[str, str | obj
                             "backend, installed with torch_npu); or pass --compile-backend") from None
         return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
     return "inductor", "inductor"
+
+
+@contextmanager
+def _dynamo_quiet(mode: str) -> Iterator[None]:
+    """Graph mode: dynamo formats a stack trace for every recorded side effect (the recorder's
+    list appends, one per record) unless its side-effect replay policy is "silent"; on the
+    30-layer SmolLM2 that is 1.6x the whole compile time (193 s vs 123 s measured). The
+    compiled program is the same."""
+    import torch._dynamo
+
+    if mode != "graph" or not hasattr(torch._dynamo.config, "side_effect_replay_policy"):
+        yield
+        return
+    with torch._dynamo.config.patch(side_effect_replay_policy="silent"):
+        yield
 
 
 def _compile_stats(since: dict | None = None) -> dict:

@@ -40,7 +40,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from accucheck.capture.recorder import (finish_stats, flatten, inputs_of, select_modules,
                                         tensor_stats, to_host)
-from accucheck.keys import is_layer_block
+from accucheck.keys import is_layer_block, layer_of
 from accucheck.store import bf16_bits_to_float32
 
 ENV = "ACCUCHECK_VLLM_CAPTURE"
@@ -167,6 +167,8 @@ class Collector:
         by_name = dict(self.model.named_modules())
         self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
                         if type(by_name[n]).__name__ != "PPMissingLayer"]
+        if not cfg.include:
+            self.modules = vllm_default(self.model, self.modules)
         self.kinds = {n: type(by_name[n]).__name__ for n in self.modules}
         self.handles: list[Any] = []
         self.buffers: list[tuple[str, str, str, torch.nn.Module, str]] = []  # graph mode
@@ -350,6 +352,37 @@ class Collector:
         self.records, self.errors, self.schedule = [], [], []
         self._order.clear()
         return out
+
+
+# Left out of the default selection under vLLM (still recordable with --include): column-
+# parallel outputs and the inner attention hold rank 0's shard only under tensor parallel (the
+# default modules' outputs are replicated); fused activations (SiluAndMul) compute
+# act(gate) * up under the path where transformers' act_fn computes act(gate), so one key would
+# name two different tensors.
+_VLLM_DEFAULT_SKIP = ("ColumnParallelLinear", "QKVParallelLinear", "MergedColumnParallelLinear",
+                      "AndMul")
+_VLLM_DEFAULT_SKIP_EXACT = ("Attention",)
+
+
+def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The recorder's default selection minus what has no transformers counterpart under the
+    same path or is sharded across ranks (see above), and minus modules shared by several
+    layers (vLLM's cached rotary embedding sits in every layer's self_attn: one path for many
+    call sites, and graph buffers would keep only the last call)."""
+    layers: dict[int, set[int]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        i = layer_of(path)
+        if i is not None:
+            layers.setdefault(id(m), set()).add(i)
+    by_name = dict(model.named_modules())
+    out = []
+    for n in names:
+        kind = type(by_name[n]).__name__
+        if kind.endswith(_VLLM_DEFAULT_SKIP) or kind in _VLLM_DEFAULT_SKIP_EXACT \
+                or len(layers.get(id(by_name[n]), ())) > 1:
+            continue
+        out.append(n)
+    return out
 
 
 def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
