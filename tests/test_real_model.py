@@ -178,3 +178,31 @@ def test_fp16_softmax_inside_fp32_is_named_with_the_precision_finding(real):
     text = render(a)
     assert f"CULPRIT: step 0, {c.where}" in text and "precision: candidate computes" in text
     assert any(r.key.op == "aten._softmax.default" for r in a.diff.precision_findings)
+
+
+def test_bf16_eager_vs_graph_signoff_passes_with_the_default_referee(smollm2, tmp_path):
+    """bf16 eager vs bf16 torch.compile (inductor) of the real model: differences over the bf16
+    tolerance in places, but the float64 referee the sign-off captures by default finds the
+    graph run no worse than eager: PASS. One prompt, prefill only (compiling 30 layers with
+    every module hooked is the slow part)."""
+    import smollm2 as s
+    from accucheck.scenario import scenario_from_dict
+    from accucheck.signoff import signoff
+
+    model, tok = smollm2
+    prompts = PROMPTS[:1]
+    ref, cand = tmp_path / "eager.h5", tmp_path / "graph.h5"
+    capture_model(model, prompts, ref, tokenizer=tok, store="full", dtype="bfloat16")
+    capture_model(model, prompts, cand, tokenizer=tok, store="full", dtype="bfloat16",
+                  mode="graph", tokens_from=str(ref))
+    scn = scenario_from_dict({"name": "real-eager-vs-graph", "model": str(s.model_dir()),
+                              "prompts": prompts, "max_new_tokens": 0, "dtype": "bfloat16",
+                              "thresholds": {"logits_kl": 1e-2}})
+    assert scn.golden is not None and scn.golden.dtype == "float64"  # the default referee
+    res = signoff(scn, ref=ref, cand=cand, out_dir=tmp_path / "report")
+    a = res.analysis
+    assert a.diff.golden_path is not None and res.passed, res.summary
+    assert res.summary.startswith("PASS: real-eager-vs-graph")
+    labels = [r.golden.label for r in a.diff.records if r.golden is not None]
+    assert labels and "cand worse" not in labels
+    assert a.culprit is None and res.culprit is None
