@@ -38,6 +38,52 @@ def test_relative_error_edge_cases():
     assert M.rel_l2(z, np.ones(3)) == math.inf
 
 
+def test_nothing_finite_to_compare():
+    """Empty tensors, or no position finite on both sides: no error, everything agrees."""
+    for a, b in ((np.array([]), np.array([])), (np.array([np.nan, np.inf]),
+                                                np.array([np.nan, np.inf]))):
+        assert (M.max_abs(a, b), M.mean_abs(a, b), M.max_rel(a, b), M.rmse(a, b)) == \
+            (0.0, 0.0, 0.0, 0.0)
+        assert M.frac_rel_below(a, b, 1e-3) == 1.0
+        assert (M.rel_l2(a, b), M.cosine(a, b), M.sqnr_db(a, b)) == (0.0, 1.0, math.inf)
+        assert M.max_ulp(a, b, "float32") == 0 and M.max_ulp(a, b, "float64") == 0
+    with pytest.raises(ValueError, match="shapes differ"):
+        M.rel_l2(np.ones(3), np.ones(2))
+    with pytest.raises(ValueError, match="shapes differ"):
+        M.max_abs(np.ones(3), np.ones(1))  # never broadcast
+
+
+def test_frac_rel_below_is_strict_and_mask_finite():
+    a = np.array([4.0, 4.0, 4.0, 4.0, np.nan])
+    b = np.array([5.0, 4.0, 4.5, 3.0, 1.0])    # rel 0.25, 0, 0.125, 0.25; NaN pair dropped
+    assert M.frac_rel_below(a, b, 0.25) == 0.5   # exactly 0.25 is not below 0.25
+    assert M.frac_rel_below(a, b, 0.125) == 0.25
+    assert M.frac_rel_below(a, b, 0.2500001) == 1.0
+    assert M.max_rel(a, b) == 0.25 and M.max_abs(a, b) == 1.0
+    assert M.mean_abs(a, b) == pytest.approx((1.0 + 0.0 + 0.5 + 1.0) / 4)
+    assert M.rmse(a, b) == pytest.approx(math.sqrt((1.0 + 0.25 + 1.0) / 4))
+
+
+def test_nan_inf_mismatch_counts_signed_infinities_only_where_both_are_inf():
+    inf = np.inf
+    assert M.nan_inf_mismatch(np.array([inf, inf, -inf]), np.array([inf, -inf, -inf])) == 1
+    assert M.nan_inf_mismatch(np.array([2.0, -3.0]), np.array([-2.0, 3.0])) == 0  # finite
+    assert M.nan_inf_mismatch(np.array([inf, 1.0, np.nan]), np.array([1.0, inf, np.nan])) == 2
+    assert M.nan_inf_mismatch(np.array([np.nan, 1.0]), np.array([inf, np.nan])) == 2
+
+
+def test_float64_ulp():
+    one = np.array([1.0])
+    assert M.max_ulp(one, np.nextafter(one, 2.0), "float64") == 1
+    assert M.max_ulp(-one, np.nextafter(-one, -2.0), "float64") == 1
+    assert M.max_ulp(one, one + 2 ** -50, "float64") == 4
+    assert M.max_ulp(np.array([0.0]), np.array([-0.0]), "float64") == 0
+    assert M.max_ulp(np.array([5e-324]), np.array([-5e-324]), "float64") == 2
+    # the float32 ULP of 1 + 2^-23 is 2^29 float64 ULPs
+    assert M.max_ulp(one, one + 2 ** -23, "float64") == 2 ** 29
+    assert M.max_ulp(np.array([1.0, 2.0]), np.array([1.0, 2.0 + 2 ** -51]), "float64") == 1
+
+
 def test_one_near_zero_element_does_not_move_rel_l2():
     """The tensor-level error ignores what a single near-zero element does to max_rel."""
     rng = np.random.default_rng(0)
@@ -115,6 +161,22 @@ def test_ulp_in_the_coarser_dtype():
     assert M.max_ulp(np.arange(3), np.arange(3), "int64") is None
     assert M.coarser_dtype("float16", "bfloat16") == "bfloat16"
     assert M.coarser_dtype("float32", "int64") == "float32"
+
+
+def test_dtype_order_fine_to_coarse():
+    """coarser_dtype (and the tolerance's loosest_dtype) rank every pair, both argument orders;
+    non-float dtypes count as exact (finest)."""
+    from accucheck.tolerances import loosest_dtype
+
+    order = ["int64", "float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
+             "float8_e5m2"]
+    for i, fine in enumerate(order):
+        for coarse in order[i + 1:]:
+            assert M.coarser_dtype(fine, coarse) == coarse, (fine, coarse)
+            assert M.coarser_dtype(coarse, fine) == coarse, (coarse, fine)
+            assert loosest_dtype([fine, coarse]) == loosest_dtype([coarse, fine]) == coarse
+    assert M.coarser_dtype("int64", "bool") == "int64"   # both exact: the first one
+    assert [M.is_float_dtype(d) for d in order] == [False] + [True] * 6
 
 
 def test_bf16_rounding_of_an_fp32_tensor_has_the_expected_rel_l2():
