@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from accucheck.culprit import find_culprit
+from accucheck.culprit import culprit_lines, find_culprit
 from accucheck.keys import RecordKey
 from accucheck.locate import analyze
 from accucheck.report import render, to_json, verdict_line
@@ -338,3 +338,70 @@ def test_diffuse_error_prints_no_culprit(tmp_path):
     assert j["worst"]["module"] == "model.layers.2" and j["first_over"]["cause"] == "inherited"
     assert "CULPRIT" not in render(a) and "No culprit" in render(a)
     assert math.isclose(a.location.worst.error, 3e-4, rel_tol=1e-3)
+
+
+def test_culprit_evidence_names_the_cast_next_to_the_downgraded_op(tmp_path):
+    """The candidate casts to float16 around its softmax: the softmax is the culprit (root op,
+    precision finding), the casts are one-sided neighbours with their call sites, the module
+    and its submodule ops are counted."""
+    rng = np.random.default_rng(5)
+    base = "r0.s0:model.layers.0.self_attn"
+    x = {n: rng.standard_normal((1, 3, H)) for n in ("emb", "q", "bmm", "sm", "out")}
+
+    def rec(key, arr, src=None, site=None, dtype=None):
+        e = {}
+        if src:
+            e["src"] = src
+        if site:
+            e["site"] = site
+        return (key, arr, e or None, dtype)
+    n = rng.standard_normal(x["sm"].shape)
+    sm_err = x["sm"] + 1e-3 * np.linalg.norm(x["sm"]) * n / np.linalg.norm(n)
+    common = [rec("r0.s0:model.embed_tokens#0:out.0", x["emb"]),
+              rec(f"{base}.q_proj#0/aten.mm.default@0:out.0", x["q"],
+                  {"0": "model.embed_tokens#0:out.0"}, "modeling.py:10 in forward"),
+              rec(f"{base}.q_proj#0:out.0", x["q"], {"0": "model.embed_tokens#0:out.0"}),
+              rec(f"{base}#0/aten.bmm.default@0:out.0", x["bmm"],
+                  {"0": "model.layers.0.self_attn.q_proj#0:out.0"}, "modeling.py:20 in attn")]
+    ref = common + [
+        rec(f"{base}#0/aten._softmax.default@1:out.0", x["sm"],
+            {"0": "model.layers.0.self_attn#0/aten.bmm.default@0:out.0"}, "modeling.py:21 in attn"),
+        rec(f"{base}#0:out.0", x["out"], {"hidden_states": "model.embed_tokens#0:out.0"})]
+    cand = common + [
+        rec(f"{base}#0/aten._to_copy.default@1:out.0", x["bmm"], None, "patch.py:5 in attn",
+            "float16"),
+        rec(f"{base}#0/aten._softmax.default@2:out.0", sm_err,
+            {"0": "model.layers.0.self_attn#0/aten._to_copy.default@1:out.0"},
+            "patch.py:6 in attn", "float16"),
+        rec(f"{base}#0/aten._to_copy.default@3:out.0", sm_err, None, "patch.py:7 in attn"),
+        rec(f"{base}#0:out.0", x["out"] * 1.001, {"hidden_states": "model.embed_tokens#0:out.0"})]
+    r, c = cap(tmp_path / "r.h5", ref), cap(tmp_path / "c.h5", cand)
+    a = analyze(r, c)
+    cu = a.culprit
+    assert cu.where == "model.layers.0.self_attn#0 / aten._softmax.default@1"
+    assert cu.cand_key is not None and cu.cand_key.op_index == 2
+    assert (cu.local_basis, cu.inherited_error) == ("links", 0.0)
+    assert cu.local_error == pytest.approx(cu.error) and cu.error == pytest.approx(1e-3, rel=0.05)
+    assert cu.site_ref == "modeling.py:21 in attn" and cu.site_cand == "patch.py:6 in attn"
+    assert cu.precision is not None and "float16" in cu.precision
+    assert cu.neighbours == (
+        "cand only: aten._to_copy.default@1 at patch.py:5 in attn",
+        "cand only: aten._to_copy.default@3 at patch.py:7 in attn")
+    assert cu.ops_one_sided == 2 and cu.ops_compared == 3  # bmm, softmax, and q_proj's mm
+    assert cu.module_error == pytest.approx(1e-3, rel=1e-6) and cu.next_step is None
+    text = "\n".join(culprit_lines(cu))
+    assert "next to it, cand only: aten._to_copy.default@1 at patch.py:5 in attn" in text
+    assert "call site: ref modeling.py:21 in attn | cand patch.py:6 in attn" in text
+
+
+def test_module_culprit_without_ops_prints_the_narrowing_command(tmp_path):
+    run = Run()
+    model_run(run, layers=1, faults={0: {"mlp": 1e-2, "layer": 1e-2}})
+    a = run.analyze(tmp_path)
+    cu = a.culprit
+    assert cu.op is None and cu.where == "model.layers.0.mlp#0"
+    assert "--include 'model.layers.0.mlp' --level op" in cu.next_step
+    assert "--shadow ref-op.h5" in cu.next_step
+    assert "next, to name the operator" in render(a)
+    assert cu.inherited_error == 0.0 and cu.local_basis == "links"
+    assert cu.amplification == math.inf and not cu.local_within
