@@ -72,6 +72,29 @@ def test_nan_inf_mismatch_counts_signed_infinities_only_where_both_are_inf():
     assert M.nan_inf_mismatch(np.array([np.nan, 1.0]), np.array([inf, np.nan])) == 2
 
 
+def test_float16_and_bfloat16_ulp_signs_zero_and_rounding():
+    f32 = np.float32
+    one = np.array([1.0], f32)
+    for dtype, ulp, tiny in (("float16", 2.0 ** -10, 2.0 ** -24),
+                             ("bfloat16", 2.0 ** -7, 2.0 ** -133)):
+        assert M.max_ulp(one, one + f32(ulp), dtype) == 1, dtype
+        assert M.max_ulp(-one, -one - f32(ulp), dtype) == 1, dtype
+        assert M.max_ulp(-one, -one - f32(3 * ulp), dtype) == 3, dtype
+        assert M.max_ulp(np.array([tiny], f32), np.array([-tiny], f32), dtype) == 2, dtype
+        assert M.max_ulp(np.array([0.0], f32), np.array([-0.0], f32), dtype) == 0, dtype
+        assert M.max_ulp(np.array([-2.0], f32), np.array([2.0], f32), dtype) == \
+            2 * M.max_ulp(np.array([0.0], f32), np.array([2.0], f32), dtype), dtype
+    # values are rounded to nearest EVEN into bfloat16 first
+    h = 2.0 ** -8                                       # half a bf16 ULP at 1.0
+    assert M.max_ulp(one, one + f32(h), "bfloat16") == 0            # tie -> even (1.0)
+    assert M.max_ulp(one, one + f32(3 * h), "bfloat16") == 2        # tie -> even (1 + 2^-6)
+    assert M.max_ulp(one, one + f32(h + 2.0 ** -20), "bfloat16") == 1   # above the tie
+    assert M.max_ulp(-one, -one - f32(3 * h), "bfloat16") == 2
+    # float16: the same rule (numpy's float16 rounding)
+    assert M.max_ulp(one, one + f32(2.0 ** -11), "float16") == 0
+    assert M.max_ulp(one, one + f32(3 * 2.0 ** -11), "float16") == 2
+
+
 def test_float64_ulp():
     one = np.array([1.0])
     assert M.max_ulp(one, np.nextafter(one, 2.0), "float64") == 1
