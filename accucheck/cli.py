@@ -161,8 +161,8 @@ def inspect(capture_file, pattern, step, limit, fmt):
 
 
 @cli.command()
-@click.argument("ref", type=click.Path(dir_okay=False))
-@click.argument("cand", type=click.Path(dir_okay=False))
+@click.argument("ref", type=click.Path())
+@click.argument("cand", type=click.Path())
 @click.option("--golden", type=click.Path(dir_okay=False),
               help="high-precision capture of the same prompts and tokens (e.g. float64 CPU, "
                    "--tokens-from REF): labels each record cand worse / ref worse / both within "
@@ -197,6 +197,9 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
     if out and Path(out).exists() and not force:
         raise UserError(f"{out} exists: choose another -o or pass --force to overwrite it")
     tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
+    from accucheck.importers import capture_path  # msprobe dump directory -> temporary capture
+    close = click.get_current_context().call_on_close
+    ref, cand = (capture_path(p, progress=err, on_close=close) for p in (ref, cand))
     err(f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
     result = analyze(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
                      amplification=amplification or DEFAULT_AMPLIFICATION,
@@ -302,6 +305,36 @@ def demo(out_dir, force):
     from accucheck.demo import run_demo
 
     return run_demo(Path(out_dir), force=force, echo=click.echo, log=err)
+
+
+@cli.group("import")
+def import_group():
+    """Convert another tool's dump into an accucheck capture."""
+
+
+@import_group.command("msprobe")
+@click.argument("dump_dir", type=click.Path())
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False),
+              help="capture file to write (.h5); refused if it exists unless --force")
+@click.option("--rank", default=None, help="rank to import (R of rank{R}, or a folder name "
+                                           "such as proc1234); default: the first")
+@click.option("--step", "steps", type=int, multiple=True, help="only this msprobe step "
+                                                               "(repeatable)")
+@click.option("--store", type=click.Choice(["stats", "full"]), default=None,
+              help="default: full for tensor-mode dumps, stats for statistics dumps")
+@click.option("--force", is_flag=True, help="overwrite the output file")
+def import_msprobe_cmd(dump_dir, out, rank, steps, store, force):
+    """Read an msprobe (MindStudio Probe) PyTorch dump (DUMP_DIR: msprobe's dump_path, a
+    step*/ or rank*/ folder, or a dump.json) and write an accucheck capture. See
+    docs/msprobe.md for what maps."""
+    from accucheck.importers.msprobe import import_msprobe
+
+    r = import_msprobe(dump_dir, out, rank=rank, steps=steps or None, store=store, force=force,
+                       progress=err)
+    err(f"imported {r.records} records (store {r.store}, steps {list(r.steps)}, "
+        f"{r.rank or 'single rank'}, dtype {r.dtype}) from {dump_dir}")
+    err(f"wrote {r.path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
