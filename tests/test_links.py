@@ -175,30 +175,46 @@ class Plus(nn.Module):
         return x + 1
 
 
+class IntoBuffer(nn.Module):
+    """Returns 2x its input written into `buf` through a storage of its own (torch.frombuffer):
+    its output's address is the buffer's, every time."""
+
+    def __init__(self, buf: bytearray):
+        super().__init__()
+        self.buf = buf
+
+    def forward(self, x):
+        return into(self.buf, x * 2)
+
+
+def into(buf: bytearray, value: torch.Tensor) -> torch.Tensor:
+    t = torch.frombuffer(buf, dtype=torch.float32).view(64, 64)
+    t.copy_(value)  # version 1 for every tensor made here
+    return t
+
+
 class Net(nn.Module):
     """`make` records a tensor that is freed at once; `use` gets a new tensor at the very same
-    address (the allocator reuses the block) and must not be linked to it."""
+    address with the same version counter and must not be linked to it. The address comes back
+    deterministically (not left to the allocator): both are views of one Python buffer, each
+    through a storage of its own."""
 
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(64, 64))
-        self.make, self.use = Twice(), Plus()
+        self.buf = bytearray(64 * 64 * 4)
+        self.make, self.use = IntoBuffer(self.buf), Plus()
         self.make2, self.use2 = Twice(), Plus()
         self.use_weight, self.use_view = Plus(), Plus()
         self.reused = False
 
     def forward(self, input_ids):
-        x = torch.full((64, 64), float(input_ids.sum()))  # 16 KiB: the allocator reuses blocks
+        x = torch.full((64, 64), float(input_ids.sum()))
         y = self.make(x)
-        ptr = y.untyped_storage().data_ptr()
-        del y  # freed: nothing of the recorder keeps it alive
-        keep = []
-        for _ in range(50):
-            z = x * 3  # same size: the freed block comes back
-            if z.untyped_storage().data_ptr() == ptr:
-                self.reused = True
-                break
-            keep.append(z)
+        ident = (y.untyped_storage().data_ptr(), y._version)
+        del y  # its storage is freed: nothing of the recorder keeps it alive
+        z = into(self.buf, x * 3)  # a NEW storage at the same address, same version
+        self.reused = (z.untyped_storage().data_ptr(), z._version) == ident
         out = self.use(z)
         y2 = self.make2(x)
         self.use_view(y2.t())  # a view of a recorded tensor: linked
