@@ -79,13 +79,6 @@ class RecordLocation:
         """The error this record's inputs and recorded children already carry."""
         return max(self.input_error or 0.0, self.inner_error or 0.0)
 
-    @property
-    def amplification(self) -> float:
-        e = self.explained
-        if not e:
-            return math.inf if self.error > 0 else 1.0
-        return self.error / e
-
 
 @dataclass(frozen=True)
 class Divergence:

@@ -405,3 +405,32 @@ def test_module_culprit_without_ops_prints_the_narrowing_command(tmp_path):
     assert "next, to name the operator" in render(a)
     assert cu.inherited_error == 0.0 and cu.local_basis == "links"
     assert cu.amplification == math.inf and not cu.local_within
+
+
+def test_results_are_frozen_and_judge_themselves(tmp_path):
+    """Per-item results are frozen records without truthiness (STYLE 2, 10); the top-level
+    result says pass / fail explicitly."""
+    import dataclasses
+
+    run = Run()
+    model_run(run, layers=2, faults={1: {"mlp": 1e-2, "layer": 1e-2}})
+    a = run.analyze(tmp_path)
+    L = a.location
+    fd = L.first_divergence
+    frozen = (a.diff.records[0], L.records[0], fd, L, a.diff, a, L.curve[0], a.culprit)
+    for obj in frozen:
+        assert dataclasses.is_dataclass(obj)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, dataclasses.fields(obj)[0].name, None)
+    for obj in (a.diff.records[0], L.records[0], fd, L, a.diff, a.culprit):
+        assert not hasattr(obj, "__bool__"), type(obj)  # ask `within` / `passed` explicitly
+    assert (a.verdict, a.exit_code, bool(a)) == ("fail", 1, False)
+    assert not L.diffuse and fd.amplification == math.inf
+    j = to_json(a)
+    assert j["first_divergence"]["amplification"] == "inf" and j["verdict"] == "fail"
+    assert j["exit_code"] == 1 and j["diffuse"] is False
+    ok = Run()
+    model_run(ok, layers=1)
+    b = ok.analyze(tmp_path)
+    assert (b.verdict, b.exit_code, bool(b)) == ("pass", 0, True)
+    assert not b.location.diffuse and b.location.first_over is None and b.culprit is None
