@@ -36,6 +36,15 @@ def test_relative_error_edge_cases():
     assert M.max_rel(z, z) == 0.0 and M.rel_l2(z, z) == 0.0 and M.cosine(z, z) == 1.0
     assert M.max_rel(z, np.array([0, 0, 1e-30])) == math.inf
     assert M.rel_l2(z, np.ones(3)) == math.inf
+    # one side all zero: orthogonal (cosine 0), all noise (SQNR -inf)
+    assert M.cosine(z, np.ones(3)) == 0.0 and M.cosine(np.ones(3), z) == 0.0
+    assert M.sqnr_db(z, np.ones(3)) == -math.inf and M.sqnr_db(np.ones(3), z) == 0.0
+    # small norms are ordinary numbers (||a||^2 < 1)
+    a, b = np.array([0.5, 0.0]), np.array([0.25, 0.0])
+    assert M.rel_l2(a, b) == 0.5 and M.cosine(a, b) == 1.0
+    assert M.sqnr_db(a, b) == pytest.approx(10 * math.log10(4.0))
+    assert M.cosine(np.array([1.0, 0.0]), np.array([0.0, 1.0])) == pytest.approx(0.0, abs=1e-15)
+    assert M.cosine(np.array([1.0, 2.0]), np.array([-1.0, -2.0])) == -1.0
 
 
 def test_nothing_finite_to_compare():
