@@ -626,28 +626,25 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
     out = Path(out)
     n_written = 0
     seen: set[str] = set()
-    try:
-        with CaptureWriter(out, meta=meta, store=store, force=force,
-                           compression=compression) as w:
-            for k, r in enumerate(recs):
-                sk = str(r.key)
-                if sk in seen:
-                    counts.skipped["duplicate keys"] += 1
-                    continue
-                seen.add(sk)
-                _write(w, r, store)
-                n_written += 1
-                if progress and k and k % PROGRESS_EVERY == 0:
-                    progress(f"import: {k}/{len(recs)} records")
-            skipped = {k: v for k, v in sorted(counts.skipped.items()) if v}
-            w.update_meta(msprobe=dict(meta["msprobe"], records=n_written, skipped=skipped))
+    w = CaptureWriter(out, meta=meta, store=store, force=force, compression=compression)
+    try:  # from here on the file is ours: a failed import leaves none behind
+        for k, r in enumerate(recs):
+            sk = str(r.key)
+            if sk in seen:
+                counts.skipped["duplicate keys"] += 1
+                continue
+            seen.add(sk)
+            _write(w, r, store)
+            n_written += 1
+            if progress and k and k % PROGRESS_EVERY == 0:
+                progress(f"import: {k}/{len(recs)} records")
+        skipped = {k: v for k, v in sorted(counts.skipped.items()) if v}
+        w.update_meta(msprobe=dict(meta["msprobe"], records=n_written, skipped=skipped))
     except BaseException:
-        if out.exists():
-            try:
-                out.unlink()
-            except OSError:
-                pass
+        w.close(complete=False)
+        out.unlink(missing_ok=True)
         raise
+    w.close(complete=True)
     return ImportResult(out, store, n_written, tuple(sorted(by_step)), chosen, dominant,
                         tuple(skipped.items()), tuple(notes))
 
