@@ -222,6 +222,9 @@ def test_statistics_rows():
     assert row[7] == 0 and np.isnan(row[5])      # a float16 norm that overflowed: unknown
     _, ck = stats_row(t([4], md5="00abcdef"), (4,))
     assert ck == 0xabcdef
+    _, ck = stats_row({"type": "torch.Tensor", "dtype": "torch.float32", "shape": [4],
+                       "md5": 12345}, (4,))           # xor mode: a checksum, no statistics
+    assert ck == 12345
     row, _ = stats_row({"type": "torch.Tensor", "dtype": "torch.bool", "shape": [3],
                         "Max": True, "Min": False}, (3,))
     assert (row[0], row[1]) == (0.0, 1.0)
@@ -266,6 +269,21 @@ def test_output_is_never_overwritten_or_deleted_without_force(tmp_path):
         import_msprobe(tmp_path / "d", out)
     assert out.read_bytes() == b"keep me"
     assert import_msprobe(tmp_path / "d", out, force=True).records == len(EXPECTED_KEYS)
+
+
+def test_checksum_only_dump_is_refused(tmp_path):
+    dump, construct, stack = small_dump()
+
+    def strip(obj):
+        if isinstance(obj, dict):
+            if obj.get("type") == "torch.Tensor":
+                return {k: v for k, v in obj.items() if k not in ("Max", "Min", "Mean", "Norm")}
+            return {k: strip(v) for k, v in obj.items()}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+    write_dump(tmp_path / "x", strip(dump), construct, stack)
+    with pytest.raises(UserError, match="checksums only"):
+        import_msprobe(tmp_path / "x", tmp_path / "x.h5")
+    assert not (tmp_path / "x.h5").exists()
 
 
 def test_l1_dump_without_construct_puts_apis_under_top(tmp_path):

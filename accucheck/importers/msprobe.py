@@ -354,14 +354,20 @@ def stats_row(leaf: dict, shape: tuple[int, ...], name: str = "?", f: Path = Pat
     absmax = max(abs(mx), abs(mn)) if not (math.isnan(mx) or math.isnan(mn)) else math.nan
     row = np.array([mn, mx, mean, math.nan, absmax, l2, nan, inf, 0.0, float(numel)],
                    dtype=np.float64)
-    md5 = leaf.get("md5")
+    md5 = leaf.get("md5")  # CRC32 hex in md5 mode, the XOR checksum in xor mode
     checksum = 0
-    if isinstance(md5, str):
+    if isinstance(md5, int) and not isinstance(md5, bool):
+        checksum = md5 % (1 << 52)
+    elif isinstance(md5, str):
         try:
             checksum = int(md5, 16) % (1 << 52)
         except ValueError:
             checksum = 0
     return row, checksum
+
+
+def _has_stats(leaf: dict) -> bool:
+    return any(leaf.get(k) is not None for k in ("Max", "Min", "Norm"))
 
 
 def step_records(dd: DumpDir, counts: _Counts | None = None) -> list[_Rec]:
@@ -594,6 +600,14 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
         raise UserError(f"{dump}: the dump holds no forward tensor (only {dict(counts.skipped)}"
                         f"): dump with task statistics or tensor and level L0, mix or L1")
 
+    floating = [r for r in recs if _floating(r.leaf.get("dtype", ""))]
+    bare = sum(not _has_stats(r.leaf) for r in floating)
+    if store == "stats" and floating and bare == len(floating):
+        raise UserError(f"{dump}: msprobe dumped no Max / Min / Mean / Norm (checksums only: "
+                        f"summary_mode xor?): accucheck cannot measure an error from them; "
+                        f"re-dump with summary_mode statistics or md5, or task tensor")
+    if bare and store == "stats":
+        counts.skipped["floating records without statistics (compared by shape only)"] = bare
     dt = Counter(r.leaf.get("dtype", "").replace("torch.", "") for r in recs
                  if r.key.role == "out" and _floating(r.leaf.get("dtype", "")))
     dominant = dt.most_common(1)[0][0] if dt else None
