@@ -127,6 +127,28 @@ def test_one_near_zero_element_does_not_move_rel_l2():
     assert M.rel_l2(a, b) < 1e-10
 
 
+def test_cosine_is_clamped_to_minus_one_one():
+    """1 - cos from the norms can round past +-1 for nearly (anti-)parallel vectors: clamped."""
+    a = np.array([0.35867194917034445, 1.3224574697668332])
+    b = np.array([0.3586719491703442, 1.3224574697668552])       # unclamped: 1 + 2.2e-16
+    assert M.cosine(a, b) == 1.0 and M.tensor_metrics(a, b).cosine == 1.0
+    a = np.array([0.357380410658956, -1.2083186322821715])
+    b = np.array([-0.3573804106589559, 1.2083186322821646])      # unclamped: -1 - 4.4e-16
+    assert M.cosine(a, b) == -1.0 and M.tensor_metrics(a, b).cosine == -1.0
+
+
+def test_tensor_metrics_record_is_frozen_and_identical_means_no_difference():
+    import dataclasses
+
+    a = np.linspace(1.0, 2.0, 10)
+    m = M.tensor_metrics(a, a * 1.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.rel_l2 = 0.0
+    assert not m.identical and M.tensor_metrics(a, a).identical
+    assert m.as_dict()["rel_l2"] == m.rel_l2 and set(m.as_dict()) == {
+        f.name for f in dataclasses.fields(m)}
+
+
 def test_nan_inf_positions():
     a = np.array([1.0, np.nan, np.inf, 3.0, -np.inf])
     b = np.array([1.0, np.nan, -np.inf, np.nan, -np.inf])
