@@ -186,3 +186,86 @@ def test_alignment_sites_lookup():
     seq = _seq(DECOMPOSED)
     assert seq[0].site == "modeling_llama.py:60 in forward"
     assert seq[6].ident == f"r0.s0:{MOD}#0/aten.mm.default@6"
+
+
+def _op_capture(path, calls, module_calls=((0, 0, "model.layers.0.mlp", 0),)):
+    """A synthetic op-level capture: calls = [(module call index, op, op_index, {role.slot:
+    shape}, site)], tensors of ones scaled by the op index."""
+    from test_diff import _stats
+
+    from accucheck.store import CaptureWriter
+
+    with CaptureWriter(path, meta={"dtype": "float32"}, store="full") as w:
+        for mc, op, idx, outs, site in calls:
+            req, step, module, call = module_calls[mc]
+            for rs, shape in outs.items():
+                role, slot = rs.split(".")
+                key = RecordKey(req, step, module, call, role, slot, op, idx)
+                x = np.full(shape, 1.0 + idx, np.float32)
+                w.add(key, "op", "float32", x.shape, _stats(x), 0, x,
+                      '{"site": "%s"}' % site if site else "")
+        w.set_request(0, [1, 2, 3], [4])
+    return path
+
+
+def test_align_captures_pairs_outputs_and_inputs_by_slot_fused_by_output_only(tmp_path):
+    from accucheck.opmatch import align_captures
+    from accucheck.store import open_capture
+
+    ref = _op_capture(tmp_path / "r.h5", [
+        (0, "aten.pow.Tensor_Scalar", 0, {"in.0": H, "out.0": H}, "m.py:1 in f"),
+        (0, "aten.mean.dim", 1, {"in.0": H, "out.0": R}, "m.py:2 in f"),
+        (0, "aten.mul.Tensor", 2, {"in.0": H, "in.1": R, "out.0": H}, "m.py:3 in f"),
+        (0, "aten.mm.default", 3, {"in.0": H, "out.0": (5, 256)}, "m.py:4 in f")])
+    cand = _op_capture(tmp_path / "c.h5", [
+        (0, "npu.npu_rms_norm.default", 0, {"in.0": H, "in.1": (256,), "out.0": H}, "n.py:9"),
+        (0, "aten.mm.default", 1, {"in.0": H, "in.2": H, "out.0": (5, 256)}, "")])
+    with open_capture(ref) as r, open_capture(cand) as c:
+        pairs, al = align_captures(r, c)
+    got = [(str(a.key), str(b.key)) for a, b in pairs]
+    mod = "r0.s0:model.layers.0.mlp#0/"
+    assert got == [
+        # fused: the chain's last op against the kernel, outputs only (inputs differ in kind)
+        (f"{mod}aten.mul.Tensor@2:out.0", f"{mod}npu.npu_rms_norm.default@0:out.0"),
+        # aligned: output, then the inputs both sides have (slot 0; slot 2 is cand only)
+        (f"{mod}aten.mm.default@3:out.0", f"{mod}aten.mm.default@1:out.0"),
+        (f"{mod}aten.mm.default@3:in.0", f"{mod}aten.mm.default@1:in.0")]
+    assert [(m.kind, m.ref.split("/")[1], m.cand.split("/")[1]) for m in al.matches] == [
+        ("fused", "aten.mul.Tensor@2", "npu.npu_rms_norm.default@0"),
+        ("aligned", "aten.mm.default@3", "aten.mm.default@1")]
+    assert [(o.ident.split("/")[1], o.only_in, o.site) for o in al.one_sided] == [
+        ("aten.pow.Tensor_Scalar@0", "ref", "m.py:1 in f"),
+        ("aten.mean.dim@1", "ref", "m.py:2 in f")]
+    assert al.n_fused == 1
+    assert al.site("ref", f"{mod}aten.mm.default@3") == "m.py:4 in f"
+    assert al.site("cand", f"{mod}npu.npu_rms_norm.default@0") == "n.py:9"
+    assert al.site("cand", f"{mod}aten.mm.default@1") is None   # no site recorded
+
+
+def test_align_captures_module_calls_by_key_and_one_side_only_calls(tmp_path):
+    from accucheck.opmatch import align_captures
+    from accucheck.store import open_capture
+
+    calls = ((0, 0, "model.layers.0.mlp", 0), (0, 0, "model.layers.0.mlp", 1),
+             (0, 1, "model.layers.0.mlp", 0), (0, 1, "model.norm", 0))
+    ref = _op_capture(tmp_path / "r.h5", [
+        (0, "aten.silu.default", 0, {"out.0": H}, ""), (1, "aten.silu.default", 0, {"out.0": H}, ""),
+        (2, "aten.silu.default", 0, {"out.0": H}, "")], calls)
+    cand = _op_capture(tmp_path / "c.h5", [
+        (1, "aten.silu.default", 0, {"out.0": H}, ""), (2, "aten.gelu.default", 0, {"out.0": H}, ""),
+        (3, "aten.rsqrt.default", 0, {"out.0": R}, "")], calls)
+    with open_capture(ref) as r, open_capture(cand) as c:
+        pairs, al = align_captures(r, c)
+        # a filter (diff --step / --include) applies before alignment
+        pairs1, al1 = align_captures(r, c, lambda k: k.step == 1)
+    assert [(str(a.key), str(b.key)) for a, b in pairs] == [
+        ("r0.s0:model.layers.0.mlp#1/aten.silu.default@0:out.0",
+         "r0.s0:model.layers.0.mlp#1/aten.silu.default@0:out.0"),
+        ("r0.s1:model.layers.0.mlp#0/aten.silu.default@0:out.0",
+         "r0.s1:model.layers.0.mlp#0/aten.gelu.default@0:out.0")]
+    assert [m.kind for m in al.matches] == ["exact", "fused"]
+    assert [(o.ident, o.only_in) for o in al.one_sided] == [
+        ("r0.s0:model.layers.0.mlp#0/aten.silu.default@0", "ref"),
+        ("r0.s1:model.norm#0/aten.rsqrt.default@0", "cand")]   # a call the reference lacks
+    assert [m.kind for m in al1.matches] == ["fused"] and len(pairs1) == 1
+    assert [o.only_in for o in al1.one_sided] == ["cand"]
