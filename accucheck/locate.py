@@ -229,7 +229,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
                    r.within)
         for r in diff.records
         if r.key.role == "out" and r.key.op is None and is_layer_block(r.key.module)
-        and _first_slot(r.key) and layer_of(r.key.module) is not None)
+        and _first_slot(r.key))
     sus = () if diff.golden_path is not None else noise_floor(diff, locs, amplification)
     if intro is not None:  # after the first divergence, outliers may be its consequences
         first = (intro.key.step, intro.key.req, intro.order)

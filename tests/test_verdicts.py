@@ -14,7 +14,7 @@ import pytest
 
 from accucheck.culprit import culprit_lines, find_culprit
 from accucheck.keys import RecordKey
-from accucheck.locate import analyze
+from accucheck.locate import analyze, peer_kind
 from accucheck.report import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
 from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
@@ -434,3 +434,99 @@ def test_results_are_frozen_and_judge_themselves(tmp_path):
     b = ok.analyze(tmp_path)
     assert (b.verdict, b.exit_code, bool(b)) == ("pass", 0, True)
     assert not b.location.diffuse and b.location.first_over is None and b.culprit is None
+
+
+def test_layer_curve_is_the_layer_blocks_first_output(tmp_path):
+    run = Run()
+    run.add("r0.s0:model.embed_tokens#0:out.0")
+    run.add("r0.s0:model.layers.0.mlp#0:out.0", 1e-3)
+    run.add("r0.s0:model.layers.0#0:out.0", 1e-3)
+    run.add("r0.s0:model.layers.0#0:out.1", 1e-2)             # a second output: not the curve
+    run.add("r0.s0:model.layers.1#0:out.hidden_states", 2e-3)
+    run.add("r0.s0:model.layers.2#0:out.0.0", 3e-3)
+    run.add("r0.s0:model.layers.3#0/aten.add.Tensor@0:out.0", 1e-3)  # an op: not the curve
+    run.add("r0.s0:model.norm#0:out.0", 3e-3)
+    a = run.analyze(tmp_path)
+    pts = [(p.layer, str(p.key), round(p.rel_l2, 6), p.within) for p in a.location.curve]
+    assert pts == [(0, "r0.s0:model.layers.0#0:out.0", 1e-3, False),
+                   (1, "r0.s0:model.layers.1#0:out.hidden_states", 2e-3, False),
+                   (2, "r0.s0:model.layers.2#0:out.0.0", 3e-3, False)]
+
+
+def test_peer_kind_wildcards_every_numeric_path_component():
+    k = RecordKey.parse("r1.s2:model.layers.12.mlp.experts.3.down_proj#0/aten.mm.default@4:in.1")
+    assert peer_kind(k) == "model.layers.*.mlp.experts.*.down_proj#0/aten.mm.default@4:in.1"
+    assert peer_kind(RecordKey.parse("r0.s0:h.7.attn#1:out.0")) == "h.*.attn#1:out.0"
+    assert peer_kind(RecordKey.parse("r0.s0:model.norm2#0:out.0")) == "model.norm2#0:out.0"
+
+
+def _down_projs(run, gains, *, req=0, step=0, e_in=1e-3, first=0, extra=None):
+    """One down_proj per layer (first, first+1, ...) whose output error is gain x its input's."""
+    n = 3 if step == 0 else 1
+    for j, g in enumerate(gains):
+        i = first + j
+        p = f"r{req}.s{step}:model.layers.{i}.mlp.down_proj#0"
+        run.add(f"{p}:in.0", e_in, shape=(1, n, H))
+        run.add(f"{p}:out.0", g * e_in, shape=(1, n, H))
+
+
+def _sus(run, tmp_path, **kw):
+    a = run.analyze(tmp_path, cand_run_dtype="bfloat16", **kw)
+    return [str(s.key) for s in a.location.suspicious], a
+
+
+def test_noise_floor_window_peers_and_thresholds(tmp_path):
+    # peers farther than 4 layers away do not count: with only 2 peers nearby, not judged
+    run = Run(3)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    _down_projs(run, [1, 1, 20], first=0)
+    _down_projs(run, [1, 1, 1, 1], first=10)
+    assert _sus(run, tmp_path)[0] == []
+    # 3 peers within the window: judged, and named
+    run = Run(3)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    _down_projs(run, [1, 1, 1, 20], first=0)
+    names, a = _sus(run, tmp_path)
+    assert names == ["r0.s0:model.layers.3.mlp.down_proj#0:out.0"]
+    assert a.location.suspicious[0].peers == 3
+    # a local error under 5 % of the tolerance is not judged (5e-2 * 0.05 = 2.5e-3)
+    run = Run(3)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-4)
+    _down_projs(run, [1, 1, 1, 20], first=0, e_in=1e-4)   # local 1.9e-3
+    assert _sus(run, tmp_path)[0] == []
+    # the gain must also exceed the amplification (here raised to 30)
+    run = Run(3)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    _down_projs(run, [1, 1, 1, 20], first=0)
+    assert _sus(run, tmp_path, amplification=30.0)[0] == []
+    # peers whose median gain is 5: 20 is only 4x that
+    run = Run(3)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    _down_projs(run, [5, 5, 5, 20], first=0)
+    assert _sus(run, tmp_path)[0] == []
+
+
+def test_noise_floor_compares_within_request_and_step_and_sorts(tmp_path):
+    run = Run(4)
+    for req in (0, 1):
+        run.add(f"r{req}.s0:model.embed_tokens#0:out.0", 1e-3)
+        _down_projs(run, [1, 1, 1, 1, 20 if req == 1 else 1, 1], req=req)
+    run.add("r0.s1:model.embed_tokens#0:out.0", 1e-3, shape=(1, 1, H))
+    _down_projs(run, [1, 25, 1, 1], req=0, step=1)
+    names, a = _sus(run, tmp_path)
+    assert names == ["r1.s0:model.layers.4.mlp.down_proj#0:out.0",
+                     "r0.s1:model.layers.1.mlp.down_proj#0:out.0"]
+    s = a.location.suspicious[0]
+    assert s.kind == "model.layers.*.mlp.down_proj#0:out.0" and s.peers == 5  # layers 0-3, 5
+    assert s.peers_median == pytest.approx(1.0, rel=1e-3) and s.ratio == pytest.approx(s.gain)
+
+
+def test_noise_floor_leaves_out_what_follows_the_first_divergence(tmp_path):
+    run = Run(5)
+    run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)
+    _down_projs(run, [1, 1, 1, 20, 1, 1, 1, 1], first=0)
+    run.add("r0.s0:model.layers.9.mlp#0:out.0", 0.2, src={"0": "model.embed_tokens#0:out.0"})
+    _down_projs(run, [1, 1, 1, 20, 1, 1, 1], first=10)
+    names, a = _sus(run, tmp_path)
+    assert str(a.location.first_divergence.key) == "r0.s0:model.layers.9.mlp#0:out.0"
+    assert names == ["r0.s0:model.layers.3.mlp.down_proj#0:out.0"]  # not layer 13's
