@@ -518,7 +518,8 @@ def test_noise_floor_compares_within_request_and_step_and_sorts(tmp_path):
                      "r0.s1:model.layers.1.mlp.down_proj#0:out.0"]
     s = a.location.suspicious[0]
     assert s.kind == "model.layers.*.mlp.down_proj#0:out.0" and s.peers == 5  # layers 0-3, 5
-    assert s.peers_median == pytest.approx(1.0, rel=1e-3) and s.ratio == pytest.approx(s.gain)
+    assert s.peers_median == pytest.approx(1.0, rel=1e-3)
+    assert s.ratio == pytest.approx(s.gain / s.peers_median, rel=1e-12)
 
 
 def test_noise_floor_leaves_out_what_follows_the_first_divergence(tmp_path):
