@@ -87,6 +87,10 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
     ("accucheck/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
+    ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the first "
+     "|difference| (>= 0) replaces any negative value, and result() clamps at 0"),
+    ("accucheck/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
+     "from range(0, size, _BLOCK))", r"if not a\.size:\n\s*return$"),
     ("accucheck/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
      "the base pair score only has to exceed the largest tie-break (overload 0.5 + data 1.0): "
      "6.0 aligns every pair of sequences identically, 1.5 too except at an exact tie"),

@@ -195,6 +195,53 @@ def test_chunked_accumulator_equals_whole_array(ref_dtype, cand_dtype):
     assert got.mismatched == int(np.count_nonzero(d > 1e-5 + 1e-3 * np.abs(a[fin])))
 
 
+def test_accumulator_equals_the_pure_functions_across_blocks():
+    """Against the pure functions (not itself), on a tensor spanning several internal blocks
+    and chunks: the worst element's flat index counts the blocks before it."""
+    rng = np.random.default_rng(8)
+    n = 3 * (1 << 16) + 123
+    a = rng.standard_normal(n)
+    b = a * (1 + 1e-4 * rng.standard_normal(n))
+    b[150_001] = a[150_001] + 5.0          # in the third block of the second chunk
+    acc = M.MetricAccumulator("float64", "float64")
+    for i in range(0, n, 100_000):
+        acc.add(a[i:i + 100_000], b[i:i + 100_000])
+    m = acc.result()
+    assert m.numel == n and m.worst_index == 150_001
+    assert (m.worst_ref, m.worst_cand) == (a[150_001], b[150_001])
+    assert m.max_abs == M.max_abs(a, b) and m.max_rel == M.max_rel(a, b)
+    for name, fn in (("mean_abs", M.mean_abs), ("rel_l2", M.rel_l2), ("cosine", M.cosine),
+                     ("sqnr_db", M.sqnr_db), ("rmse", M.rmse)):
+        assert getattr(m, name) == pytest.approx(fn(a, b), rel=1e-9), name
+    assert m.frac_rel_lt_1e3 == pytest.approx(M.frac_rel_below(a, b, 1e-3), abs=1e-12)
+    assert m.frac_rel_lt_5e3 == pytest.approx(M.frac_rel_below(a, b, 5e-3), abs=1e-12)
+    assert m.max_ulp == M.max_ulp(a, b, "float64")
+
+
+def test_accumulator_contract():
+    with pytest.raises(ValueError, match="together"):
+        M.MetricAccumulator("float32", "float32", rtol=1e-3)
+    with pytest.raises(ValueError, match="together"):
+        M.MetricAccumulator("float32", "float32", atol=1e-3)
+    with pytest.raises(ValueError, match="chunk sizes differ"):
+        M.MetricAccumulator("float32", "float32").add(np.ones(3), np.ones(1))
+    # the ULP dtype: the coarser float dtype of the pair, none when either side is not float
+    for ref, cand, want in (("float32", "bfloat16", "bfloat16"), ("float64", "float16", "float16"),
+                            ("float32", "int64", None), ("int64", "float32", None),
+                            ("int64", "int64", None), ("float8_e4m3fn", "float32", None)):
+        acc = M.MetricAccumulator(ref, cand)
+        assert acc.ulp_dtype == want, (ref, cand)
+        acc.add(np.arange(4.0), np.arange(4.0) + 1)
+        assert (acc.result().max_ulp is None) == (want is None), (ref, cand)
+    # nothing added: zero elements, nothing differs
+    m = M.MetricAccumulator("float32", "float32").result()
+    assert (m.numel, m.max_abs, m.rel_l2, m.worst_index, m.frac_rel_lt_1e3) == (0, 0.0, 0.0,
+                                                                               None, 1.0)
+    # identical: no worst element; without rtol/atol, no mismatch count
+    m = M.tensor_metrics(np.ones(5), np.ones(5))
+    assert (m.numel, m.worst_index, m.mismatched, m.frac_rel_lt_5e3) == (5, None, None, 1.0)
+
+
 def test_ulp_in_the_coarser_dtype():
     x = np.float32(1.0) + np.float32(2 ** -23) * np.arange(0, 300, 7, dtype=np.float32)
     # a float32 reference and its own bfloat16 rounding are 0 bf16 ULPs apart ...
