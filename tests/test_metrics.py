@@ -202,13 +202,17 @@ def test_accumulator_equals_the_pure_functions_across_blocks():
     n = 3 * (1 << 16) + 123
     a = rng.standard_normal(n)
     b = a * (1 + 1e-4 * rng.standard_normal(n))
-    b[150_001] = a[150_001] + 5.0          # in the third block of the second chunk
+    b[:70_000] = a[:70_000]                # the first block is identical
+    a[150_001], b[150_001] = 1.0, 6.0      # in the third block of the second chunk
+    a[190_000], b[190_000] = 2.0, -3.0     # exactly as large: the first one stays the worst
     acc = M.MetricAccumulator("float64", "float64")
+    acc.add(np.array([np.nan, np.inf]), np.array([np.nan, np.inf]))   # nothing finite here
     for i in range(0, n, 100_000):
         acc.add(a[i:i + 100_000], b[i:i + 100_000])
     m = acc.result()
-    assert m.numel == n and m.worst_index == 150_001
-    assert (m.worst_ref, m.worst_cand) == (a[150_001], b[150_001])
+    a, b = np.concatenate([[np.nan, np.inf], a]), np.concatenate([[np.nan, np.inf], b])
+    assert m.numel == n + 2 and m.worst_index == 150_003 and m.nan_inf_mismatch == 0
+    assert (m.worst_ref, m.worst_cand) == (a[150_003], b[150_003])
     assert m.max_abs == M.max_abs(a, b) and m.max_rel == M.max_rel(a, b)
     for name, fn in (("mean_abs", M.mean_abs), ("rel_l2", M.rel_l2), ("cosine", M.cosine),
                      ("sqnr_db", M.sqnr_db), ("rmse", M.rmse)):
