@@ -27,9 +27,10 @@ What maps (every record of one msprobe step lands in accucheck step N, request 0
   torch and msprobe) comes from stack.json.
 - statistics-mode dumps -> statistics records: min / max / mean / l2 from msprobe's Min / Max /
   Mean / Norm, absmax from them, numel from the shape, std unknown (NaN), NaN / Inf counts 1
-  when a statistic is NaN / infinite (msprobe computes them over all elements) else 0, zero
-  counts 0 (not dumped); the CRC32 of md5 mode becomes the checksum. accucheck's diff then uses
-  its statistics lower bound (basis "stats"): a failure is certain, a pass is weaker.
+  when Max / Min are NaN / infinite (msprobe reduces over all elements) else 0, zero counts 0
+  (not dumped); md5 mode's CRC32 (xor mode's checksum) becomes the checksum. accucheck's diff
+  then uses its statistics lower bound (basis "stats"): a failure is certain, a pass is
+  weaker. A dump with checksums only (summary_mode xor) is refused: no error can be measured.
 - tensor-mode dumps -> full records: the tensors, with accucheck's own statistics.
 - execution order: a module's input records come before everything inside it, op records at
   their dump position, a module's output records after its ops and submodules.
@@ -519,9 +520,7 @@ def load_tensor(path: Path):
                 t = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError,
             AttributeError, TypeError) as e:
-        text = str(e)
-        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-        first = (why.group(1) if why else (text.strip().splitlines() or [""])[0])[:160]
+        first = _torch_reason(str(e))
         raise UserError(f"{path}: not readable as a plain tensor with "
                         f"torch.load(weights_only=True) ({e.__class__.__name__}: {first}); "
                         f"truncated, or it holds more than tensors (accucheck never runs an "
@@ -529,6 +528,21 @@ def load_tensor(path: Path):
     if not isinstance(t, torch.Tensor):
         raise UserError(f"{path}: holds a {type(t).__name__}, not a tensor")
     return t
+
+
+_TORCH_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation",
+                      "Re-running `torch.load`")
+
+
+def _torch_reason(text: str) -> str:
+    """The informative line of a torch.load error ("Trying to load unsupported GLOBAL
+    posix.system ...", "Unsupported operand 149", "... failed finding central directory"),
+    without torch's advice to retry with weights_only=False."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(_TORCH_BOILERPLATE):
+            return line[:160]
+    return text.strip().splitlines()[0][:80] if text.strip() else ""
 
 
 def _tensor_row(t) -> tuple[np.ndarray, int, np.ndarray, str]:
