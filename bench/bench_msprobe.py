@@ -1,6 +1,7 @@
 """msprobe dumps of the tiny Llama, and `msprobe compare` vs `accucheck diff` on them.
 
-    python bench/bench_msprobe.py [--workdir DIR] [--keep]         # the side-by-side + timings
+    python bench/bench_msprobe.py [--workdir DIR] [--keep] [--repeat 3] [--big-tokens 70] \
+        [--skip-pairs] [--skip-big]                                 # side-by-side + timings
     python bench/bench_msprobe.py dump OUT --task statistics --level mix \
         --variants ref,same,fault,fused,bf16 [--tokens 4] [--steps 1] [--model DIR]
 
@@ -23,11 +24,16 @@ faulty kernel's. The fused variant patches LlamaRMSNorm before msprobe first see
 (msprobe wraps each module's bound forward on the first start).
 
 The default command dumps ref / same / fault / fused / bf16 in statistics and tensor mode (mix
-level), runs `msprobe compare` (its CLI, in a subprocess) and `accucheck diff` (the library)
-on each pair, and prints, per pair: msprobe's rows and its error / warning rows, and
-accucheck's verdict and culprit. Then a ~50 MiB tensor-mode dump (a longer prompt): import
-time (`accucheck import msprobe`) vs msprobe's own compare time on it. One run; numbers, not
-a test.
+level, 4 tokens), runs on each (ref, candidate) pair `msprobe compare` and `msprobe compare
+-da` (its first-diff-node analysis; both its CLI, one process each) and accucheck (the
+library, in this process: `import_msprobe` of both dumps, then `analyze`, what `accucheck
+diff` runs), and prints a markdown table: msprobe's rows and error rows, the node -da names
+(with its enclosing module from construct.json), accucheck's verdict, failed records, culprit
+and one-sided ops, and the times. Then a ~50 MiB tensor-mode dump (`--big-tokens` tokens)
+and a second run of it: wall time of `accucheck import msprobe` (one dump), `accucheck diff`
+(both dump directories: import + diff) and `msprobe compare` on the pair, each its own process
+(start-up included), interleaved `--repeat` times (median and min). Numbers, not a test; the
+machine's load moves them.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -305,8 +312,9 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="bench_msprobe.py")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the dumps and captures")
-    ap.add_argument("--big-tokens", type=int, default=96,
-                    help="prompt length of the large tensor-mode dump (~50 MiB at 96)")
+    ap.add_argument("--big-tokens", type=int, default=70,
+                    help="prompt length of the large tensor-mode dump (~50 MiB per run at 70)")
+    ap.add_argument("--repeat", type=int, default=3, help="timings of the large dump: runs")
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--skip-pairs", action="store_true")
     a = ap.parse_args(argv)
@@ -317,7 +325,7 @@ def main(argv: list[str]) -> None:
         if not a.skip_pairs:
             _pairs(work)
         if not a.skip_big:
-            _big(work, a.big_tokens)
+            _big(work, a.big_tokens, a.repeat)
     finally:
         if not a.keep and a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -326,8 +334,9 @@ def main(argv: list[str]) -> None:
 def _pairs(work: Path) -> None:
     lines = ["| dump | candidate | msprobe compare: rows / error rows | msprobe -da first diff "
              "(its module) | accucheck diff: verdict, failed records / compared | accucheck "
-             "culprit | ops fused / absent |",
-             "|---|---|---|---|---|---|---|"]
+             "culprit | ops fused / absent | msprobe compare s (CLI) | accucheck import x2 + "
+             "diff s (in-process) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for task in ("statistics", "tensor"):
         root = work / task
         if not (root / "ref").is_dir():
@@ -345,13 +354,14 @@ def _pairs(work: Path) -> None:
             lines.append(
                 f"| {task} | {cand} | {mc.rows} / {mc.errors} | {node}"
                 f"{f' ({mod})' if mod else ''} | {ac['verdict']}, {ac['failed']} / "
-                f"{ac['records']} | {culprit} | {ac['one_sided']} |")
+                f"{ac['records']} | {culprit} | {ac['one_sided']} | {mc.seconds:.1f} | "
+                f"{ac['import_s']:.2f} + {ac['diff_s']:.2f} |")
             print(f"{task}/{cand}: msprobe compare {mc.seconds:.1f} s, accucheck import x2 "
                   f"{ac['import_s']:.2f} s + diff {ac['diff_s']:.2f} s", file=sys.stderr)
     print("\n".join(lines))
 
 
-def _big(work: Path, tokens: int) -> None:
+def _big(work: Path, tokens: int, repeat: int) -> None:
     root = work / "big"
     if not (root / "ref").is_dir():
         s = dump_in_subprocess(root, task="tensor", level="mix", variants=("ref", "same"),
@@ -361,22 +371,34 @@ def _big(work: Path, tokens: int) -> None:
     n_files = sum(1 for _ in (root / "ref").rglob("*.pt"))
     acc = [sys.executable, "-m", "accucheck"]
     out = work / "big.h5"
-    out.unlink(missing_ok=True)
-    t_imp, p = _timed(acc + ["import", "msprobe", str(root / "ref"), "-o", str(out)])
-    if p.returncode:
-        raise RuntimeError(p.stderr[-2000:])
-    t_diff, p = _timed(acc + ["diff", str(root / "ref"), str(root / "same")])
-    if p.returncode not in (0, 1):
-        raise RuntimeError(p.stderr[-2000:])
-    verdict = p.stdout.split(":", 1)[0]
-    mc = msprobe_compare(root / "ref" / "step0", root / "same" / "step0", work / "cmp" / "big")
+    times: dict[str, list[float]] = {"import": [], "diff": [], "msprobe": []}
+    verdict, mc = "?", None
+    for _ in range(repeat):  # interleaved, so load on a shared machine hits all three alike
+        out.unlink(missing_ok=True)
+        t, p = _timed(acc + ["import", "msprobe", str(root / "ref"), "-o", str(out)])
+        if p.returncode:
+            raise RuntimeError(p.stderr[-2000:])
+        times["import"].append(t)
+        t, p = _timed(acc + ["diff", str(root / "ref"), str(root / "same")])
+        if p.returncode not in (0, 1):
+            raise RuntimeError(p.stderr[-2000:])
+        times["diff"].append(t)
+        verdict = p.stdout.split(":", 1)[0]
+        mc = msprobe_compare(root / "ref" / "step0", root / "same" / "step0",
+                             work / "cmp" / "big")
+        times["msprobe"].append(mc.seconds)
+
+    def fmt(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.1f} (min {min(xs):.1f})"
     print(f"\nlarge tensor-mode dump: {size / 2**20:.1f} MiB per run ({n_files} .pt files, "
-          f"{tokens} tokens), capture {out.stat().st_size / 2**20:.1f} MiB")
-    print("| command (one process each, wall time) | seconds |\n|---|---|")
-    print(f"| `accucheck import msprobe ref -o ref.h5` | {t_imp:.1f} |")
-    print(f"| `accucheck diff ref/ same/` (imports both, then diffs; {verdict}) | {t_diff:.1f} |")
-    print(f"| `msprobe compare -tp same/.../dump.json -gp ref/.../dump.json` "
-          f"({mc.rows} rows, {mc.errors} error) | {mc.seconds:.1f} |")
+          f"{tokens} tokens), capture {out.stat().st_size / 2**20:.1f} MiB; wall seconds, "
+          f"median of {repeat} (min), one process per command")
+    print("| command | seconds |\n|---|---|")
+    print(f"| `accucheck import msprobe ref/ -o ref.h5` | {fmt(times['import'])} |")
+    print(f"| `accucheck diff ref/ same/` (imports both, then diffs: {verdict}) | "
+          f"{fmt(times['diff'])} |")
+    print(f"| `msprobe compare -tp same/.../dump.json -gp ref/.../dump.json` ({mc.rows} rows, "
+          f"{mc.errors} error) | {fmt(times['msprobe'])} |")
 
 
 if __name__ == "__main__":
