@@ -208,4 +208,4 @@ def test_amplification_threshold_decides(tmp_path):
     hi = {str(x.key): x for x in locate(d, amplification=4).records}[key]
     assert lo.cause == "introduced" and hi.cause == "inherited"
     assert hi.input_from == ("r0.s0:model.layers.0.self_attn#0:out.0",)
-    assert 2.5 < hi.amplification < 3.5
+    assert 2.5 < hi.error / hi.explained < 3.5

@@ -35,10 +35,10 @@ def cap(path, recs, *, dtype="float32", gen=((4, 5),), prompts=((1, 2, 3),)):
     with CaptureWriter(path, meta={"dtype": dtype}, store="full") as w:
         for k, x, extra, rdt in recs:
             key = RecordKey.parse(k)
-            x = np.asarray(x, np.float32)
+            x = np.asarray(x, np.float16 if rdt == "float16" else np.float32)
             kind = "logits" if key.is_logits else ("op" if key.is_op else "module")
-            w.add(key, kind, rdt or "float32", x.shape, _stats(x),
-                  int(x.view(np.uint32).astype(np.int64).sum() % 2 ** 52), x,
+            bits = x.view(np.uint16 if x.itemsize == 2 else np.uint32).astype(np.int64)
+            w.add(key, kind, rdt or "float32", x.shape, _stats(x), int(bits.sum() % 2 ** 52), x,
                   json.dumps(extra) if extra else "")
         for i, (p, g) in enumerate(zip(prompts, gen)):
             w.set_request(i, p, g)
