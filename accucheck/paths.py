@@ -9,6 +9,7 @@ nothing is deleted that this run did not write.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -97,11 +98,28 @@ def check_output_dir(d: str | os.PathLike) -> Path:
     return d
 
 
+def temp_beside(path: str | os.PathLike) -> Path:
+    """A new empty file in `path`'s folder (".NAME.*.partial") to write a replacement of `path`
+    into, with the permissions `path` has (or the umask's default for a new file)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.chmod(tmp, mode)
+    return Path(tmp)
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write `data` beside `path` and rename it into place: an existing file is replaced whole
     or not at all (UserError, exit 3, on a write error; `path` is then unchanged)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    tmp = temp_beside(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -444,7 +444,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
         elif spec.fault is None:
             capture_dir(model_dir, list(scn.prompts), out, opts,
-                        trust_remote_code=scn.trust_remote_code, progress=log)
+                        trust_remote_code=scn.trust_remote_code, progress=log, announce=False)
         else:
             from accucheck.capture.device import parse_device, torch_device
             from accucheck.capture.faults import planted

@@ -65,7 +65,6 @@ import errno
 import json
 import os
 import re
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ import numpy as np
 from accucheck.errors import UserError
 from accucheck.errors import one_line as _one_line
 from accucheck.keys import RecordKey
-from accucheck.paths import check_output_file, free_bytes
+from accucheck.paths import check_output_file, free_bytes, temp_beside
 
 FORMAT = "accucheck"
 SCHEMA_VERSION = 1
@@ -199,10 +198,7 @@ class CaptureWriter:
         # replacing an existing file: write beside it, rename into place on a complete close
         self.replacing = self.path.exists() or self.path.is_symlink()
         if self.replacing:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                       suffix=".partial")
-            os.close(fd)
-            self.file = Path(tmp)
+            self.file = temp_beside(self.path)
         else:
             self.file = self.path
         try:

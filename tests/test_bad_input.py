@@ -222,9 +222,11 @@ def test_an_input_is_never_the_output(flag, tiny_dir, work, capsys):
 
 
 def test_force_replaces_an_existing_capture_only_when_complete(tiny_dir, work, capsys):
+    os.chmod(work / "keep.h5", 0o640)
     code, _, err = run(["capture", tiny_dir, "--prompt", "replaced", "-o", work / "keep.h5",
                         "--force"], capsys)
     assert code == 0, err
+    assert (work / "keep.h5").stat().st_mode & 0o777 == 0o640  # the replaced file's mode
     from accucheck.store import open_capture
 
     with open_capture(work / "keep.h5") as r:
@@ -666,3 +668,20 @@ def test_cache_argument_follows_a_renamed_parameter(tiny):
         got = greedy_run(m, [1, 2, 3], torch.device("cpu"), 2, on_step=lambda s: None,
                          on_logits=lambda x: None)
     assert len(got.generated_ids) == 2
+
+
+# ----------------------------------------------------------------------------- documented once
+
+def test_readme_documents_the_exit_codes_and_the_rule():
+    from accucheck import errors
+
+    text = (Path(REPO) / "README.md").read_text()
+    section = text[text.index("## Exit codes"):text.index("## Python API")]
+    for code, word in ((errors.EXIT_OK, "done"), (errors.EXIT_DIVERGENCE, "divergence"),
+                       (errors.EXIT_USAGE, "usage error"), (errors.EXIT_BAD_INPUT, "bad input")):
+        assert f"| {code} | {word}" in section
+    for rule in ("checked before any output is created or touched", "an input is never an output",
+                 "renamed into", "opens as incomplete"):
+        assert rule in " ".join(section.split())
+    for code in ("0", "1", "2", "3"):
+        assert f"\n{code}  " in errors.__doc__

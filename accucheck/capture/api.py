@@ -97,11 +97,12 @@ class CaptureOptions:
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
                 opts: CaptureOptions, *, trust_remote_code: bool = False,
-                progress: Callable[[str], None] | None = None) -> Path:
+                progress: Callable[[str], None] | None = None, announce: bool = True) -> Path:
     """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture.
 
     Everything that can be checked before loading the model is (output path, inputs, prompts,
-    device, the model directory's files); `progress` then gets one line saying what runs."""
+    device, the model directory's files); `progress` then gets one line saying what runs
+    (unless not `announce`)."""
     check_output_path(out, opts.force, opts.inputs())
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
@@ -111,7 +112,7 @@ def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
     for flag, path in opts.inputs().items():
         _check_input(flag, path)
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
-    if progress is not None:
+    if progress is not None and announce:
         progress(f"capturing {model_dir} on {opts.device} ({_dtype_name(dtype)}, {opts.mode}, "
                  f"store {opts.store}) for {len(prompts)} prompt(s), {opts.max_new_tokens} "
                  f"decode step(s) -> {out}")
@@ -158,8 +159,6 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
                         " to see the module paths")
     backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
-    # the shadow reference is checked (full, with inputs) before the output is created
-    source = _shadow_source(opts)
     meta = {
         "tool": "accucheck", "tool_version": accucheck.__version__,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -175,6 +174,9 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }
+    # the shadow reference is opened and checked (full, with inputs) before the output exists
+    source = _shadow_source(opts)
+    writer = None
     try:
         writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                compression=opts.compression)
@@ -182,7 +184,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     except BaseException:
         if source is not None:
             source.close()
-        if "writer" in locals():
+        if writer is not None:
             writer.close(complete=False)
         raise
     complete = False
