@@ -195,6 +195,9 @@ class CaptureWriter:
         self._closed = False
         self.flush_interval = 1.0
         self._last_flush = float("-inf")
+        self._free: int | None = None  # free bytes at the last look (see _room)
+        self._free_at = float("-inf")
+        self._spent = 0
         # replacing an existing file: write beside it, rename into place on a complete close
         self.replacing = self.path.exists() or self.path.is_symlink()
         if self.replacing:
@@ -258,9 +261,18 @@ class CaptureWriter:
 
     def _room(self, nbytes: int) -> None:
         """Stop cleanly, before HDF5 hits a full disk, when `nbytes` more would not leave room
-        for the close."""
-        free = free_bytes(self.file.parent, self._size())
-        if free is None or free >= nbytes + self._close_bytes():
+        for the close. The free space is asked again at most once a second or when half of
+        what was free at the last look has been written (statvfs can be slow on network file
+        systems); a disk filled by someone else in between is `_disk_is_full`'s case."""
+        need = nbytes + self._close_bytes()
+        now = time.monotonic()
+        if self._free is not None and now - self._free_at < 1.0 \
+                and self._spent + need <= self._free // 2:
+            self._spent += nbytes
+            return
+        self._free, self._free_at, self._spent = \
+            free_bytes(self.file.parent, self._size()), now, nbytes
+        if self._free is None or self._free >= need:
             return
         self._closed = True
         try:
