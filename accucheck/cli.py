@@ -144,11 +144,15 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
 
             path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code,
                                progress=err)
-    except KeyboardInterrupt as e:  # the vLLM runner (the HF runner says it itself)
-        what = f"interrupted ({e.args[0]})" if e.args else "interrupted"
-        raise UserError(f"{what}: the new capture was discarded; {out} is unchanged"
-                        if existed else f"{what}: {out} is left incomplete; re-run the capture "
-                                        f"with --force to replace it") from None
+    except KeyboardInterrupt as e:  # vLLM, or before the capture started (the HF capture
+        what = f"interrupted ({e.args[0]})" if e.args else "interrupted"  # says it itself)
+        if existed:
+            msg = f"{what}: {out} is unchanged"
+        elif Path(out).exists():
+            msg = f"{what}: {out} is left incomplete; re-run the capture with --force to replace it"
+        else:
+            msg = f"{what} before anything was written"
+        raise UserError(msg) from None
     err(f"wrote {path}")
     return 0
 
@@ -326,7 +330,6 @@ def tiny_model(directory, seed, force):
     """Write the built-in tiny Llama (+ tokenizer) to DIRECTORY: the same weights on every
     machine for a given seed, so GPU and NPU captures compare."""
     from accucheck.capture.tiny import write_tiny_model
-
     from accucheck.paths import check_output_dir
 
     d = check_output_dir(directory)
