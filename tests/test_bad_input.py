@@ -23,7 +23,7 @@ import accucheck
 from accucheck.cli import main
 
 REPO = str(Path(accucheck.__file__).resolve().parent.parent)
-PROGRESS = ("capturing ", "diff ", "diff: ", "signoff: ", "wrote ")
+PROGRESS = ("capturing ", "capture: prompt ", "diff ", "diff: ", "signoff: ", "wrote ")
 
 
 # ----------------------------------------------------------------------------- helpers
