@@ -501,7 +501,8 @@ def test_signoff_inputs_are_never_outputs(scenario, work, capsys):
 def test_signoff_refused_before_any_output(case, code, match, scenario, work, capsys):
     out = work / "OUT"
     args = ["signoff", scenario, "-o", out]
-    if case == "capture_only_golden":
+    if case == "capture_only_golden":  # a scenario that turns the default referee off
+        scenario.write_text(SCENARIO + "[golden]\nenabled = false\n")
         args += ["--capture-only", "golden"]
     elif case == "out_under_a_file":
         args[-1] = work / "afile" / "report"
