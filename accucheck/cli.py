@@ -2,8 +2,11 @@
 
 Imports click and accucheck stages lazily per command: `accucheck diff` must not import torch.
 Payload goes to stdout (or -o), progress and logs to stderr. A UserError becomes one line on
-stderr and its exit code (3 = bad input); click usage errors exit 2; anything else is a bug and
-keeps its traceback.
+stderr and its exit code; click usage errors become one line too and exit 2; anything else is a
+bug and keeps its traceback. Exit codes (accucheck.errors): 0 ok / within tolerance,
+1 divergence found, 2 usage error (the command line is wrong), 3 bad input (what the files or
+the machine hold does not allow the command). Every command checks its inputs and options
+before it creates or touches an output.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from accucheck.errors import EXIT_BAD_INPUT, UserError
+from accucheck.errors import EXIT_BAD_INPUT, EXIT_USAGE, UserError, one_line
 
 TINY = "@tiny"
 
@@ -54,8 +57,9 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 
 @cli.command()
 @click.argument("model")
-@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False),
-              help="capture file to write (.h5); refused if it exists unless --force")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
+              help="capture file to write (.h5); refused if it exists unless --force "
+                   "(required unless --list-modules)")
 @click.option("--runner", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:i] or npu[:i]")
 @click.option("--dtype", default="float32", show_default=True,
@@ -98,6 +102,11 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
     prompts and write one HDF5 capture."""
     from accucheck.capture.api import CaptureOptions
 
+    if not out and not list_modules:
+        raise UserError.usage("capture needs -o FILE.h5 (or --list-modules to only list the "
+                              "modules that would be hooked)")
+    if engine_args and runner != "vllm":
+        raise UserError.usage("--engine-arg is for --runner vllm")
     opts = CaptureOptions(device=device, dtype=dtype, mode=mode, store=store,
                           max_new_tokens=max_new_tokens, include=tuple(include),
                           exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
@@ -117,26 +126,33 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
     from accucheck.prompts import read_prompts
 
     plist = read_prompts(prompts, prompts_file)
-    err(f"capturing {model_dir} on {device} ({dtype}, {mode}, store {store}) "
-        f"for {len(plist)} prompt(s), {max_new_tokens} decode step(s) -> {out}")
+    existed = Path(out).exists()
     try:
         if runner == "vllm":
+            from accucheck.capture.api import check_output_path
             from accucheck.capture.vllm_runner import capture_vllm
 
             engine = _engine_args(engine_args)
             if trust_remote_code:
                 engine["trust_remote_code"] = True
+            check_output_path(out, force, opts.inputs())
+            err(f"capturing {model_dir} on {device} ({dtype}, {mode}, store {store}, vLLM) "
+                f"for {len(plist)} prompt(s), {max_new_tokens} decode step(s) -> {out}")
             path = capture_vllm(model_dir, plist, out, opts, engine)
         else:
-            if engine_args:
-                raise UserError("--engine-arg is for --runner vllm")
             from accucheck.capture.api import capture_dir
 
             path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code,
                                progress=err)
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted: {out} is left marked incomplete; re-run the capture "
-                        f"(with --force) to replace it") from None
+    except KeyboardInterrupt as e:  # vLLM, or before the capture started (the HF capture
+        what = f"interrupted ({e.args[0]})" if e.args else "interrupted"  # says it itself)
+        if existed:
+            msg = f"{what}: {out} is unchanged"
+        elif Path(out).exists():
+            msg = f"{what}: {out} is left incomplete; re-run the capture with --force to replace it"
+        else:
+            msg = f"{what} before anything was written"
+        raise UserError(msg) from None
     err(f"wrote {path}")
     return 0
 
@@ -155,8 +171,9 @@ def inspect(capture_file, pattern, step, limit, fmt):
     with open_capture(capture_file, allow_incomplete=True) as r:
         click.echo(render(r, RecordFilter(pattern, step, limit), fmt))
         if not r.complete:
-            raise UserError(f"{capture_file}: incomplete capture (interrupted): the records above "
-                            f"are what was flushed; re-run the capture")
+            raise UserError(f"{capture_file}: incomplete capture (interrupted, killed or out of "
+                            f"disk space): the records above are what was flushed; re-run the "
+                            f"capture")
     return 0
 
 
@@ -183,35 +200,62 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--step", "steps", type=int, multiple=True, help="only this step (repeatable)")
 @click.option("--include", multiple=True,
               help="only keys matching this glob (key, site or module path; repeatable)")
-@click.option("--amplification", type=float, default=None,
-              help="output/input error ratio above which an error is 'introduced' (default 4)")
+@click.option("--amplification", type=click.FloatRange(min=1.0), default=None,
+              help="output/input error ratio above which an error is 'introduced' (default 4, "
+                   "at least 1)")
 @click.option("--allow-incomplete", is_flag=True, help="read interrupted captures too")
+@click.option("--allow-model-mismatch", is_flag=True,
+              help="compare captures of different model configs (e.g. a checkpoint conversion);"
+                   " refused by default")
 def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, steps, include,
-         amplification, allow_incomplete):
+         amplification, allow_incomplete, allow_model_mismatch):
     """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
     3 unreadable / incomplete / incompatible captures."""
-    from accucheck.locate import analyze
+    from accucheck.diff import diff_captures
+    from accucheck.locate import Analysis, locate
     from accucheck.report import render, verdict_line
     from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
-    if out and Path(out).exists() and not force:
-        raise UserError(f"{out} exists: choose another -o or pass --force to overwrite it")
+    for v, flag in ((rel_l2, "--rel-l2"), (rtol, "--rtol"), (atol, "--atol")):
+        if v is not None and not v >= 0:
+            raise UserError.usage(f"{flag} {v}: a tolerance is a number >= 0")
     tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
+    if out:
+        _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden})
     from accucheck.importers import capture_path  # msprobe dump directory -> temporary capture
     close = click.get_current_context().call_on_close
     ref, cand = (capture_path(p, progress=err, on_close=close) for p in (ref, cand))
-    err(f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
-    result = analyze(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
-                     amplification=amplification or DEFAULT_AMPLIFICATION,
-                     allow_incomplete=allow_incomplete, progress=err)
+    head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")]
+
+    def progress(msg: str) -> None:  # the first line once the captures are open and checked
+        while head:
+            err(head.pop())
+        err(msg)
+
+    d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
+                      allow_incomplete=allow_incomplete, progress=progress,
+                      allow_model_mismatch=allow_model_mismatch)
+    while head:
+        err(head.pop())
+    result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
     text = render(result, fmt)
     if out:
-        Path(out).write_text(text, encoding="utf-8")
+        from accucheck.paths import write_atomic
+
+        write_atomic(out, text)
         err(f"wrote {out}")
         err(verdict_line(result))
     else:
         click.echo(text, nl=False)
     return result.exit_code
+
+
+def _check_report_output(out: str, force: bool, inputs: dict) -> None:
+    """-o of a text report: not an input (exit 2), writable, not existing without --force."""
+    from accucheck.paths import check_not_input, check_output_file
+
+    check_not_input(out, inputs)
+    check_output_file(out, force)
 
 
 @cli.command()
@@ -242,12 +286,10 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
     out = Path(out_dir) if out_dir else Path("reports") / scn.name
     log = (lambda m: None) if quiet else err
     if capture_only:
-        from accucheck.scenario import with_captures
-        from accucheck.signoff import capture_runs
+        from accucheck.signoff import capture_only as run_capture_only
 
-        s = with_captures(scn, reference=ref)
-        paths = capture_runs(s, out / "captures", force=force, progress=log, only=capture_only)
-        click.echo(str(paths[capture_only]))
+        path = run_capture_only(scn, capture_only, out, ref=ref, force=force, progress=log)
+        click.echo(str(path))
         return 0
     from accucheck.signoff import signoff as run_signoff
 
@@ -266,7 +308,8 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:i] or npu[:i]")
 @click.option("--golden/--no-golden", default=True, show_default=True,
               help="also run each op in float64 on the CPU and referee the two devices")
-@click.option("--limit", type=int, default=50, show_default=True, help="at most this many ops")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="at most this many ops (at least 1)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
 def replay(ref, ops, device, golden, limit, fmt):
     """Re-run recorded operators of REF (--level op --store full --inputs) on their recorded
@@ -287,8 +330,9 @@ def tiny_model(directory, seed, force):
     """Write the built-in tiny Llama (+ tokenizer) to DIRECTORY: the same weights on every
     machine for a given seed, so GPU and NPU captures compare."""
     from accucheck.capture.tiny import write_tiny_model
+    from accucheck.paths import check_output_dir
 
-    d = Path(directory)
+    d = check_output_dir(directory)
     if d.exists() and any(d.iterdir()) and not force:
         raise UserError(f"{d} is not empty: choose another directory or pass --force")
     err(f"wrote {write_tiny_model(d, seed)}")
@@ -303,7 +347,9 @@ def demo(out_dir, force):
     """Build the tiny model offline, capture a reference and a candidate with a planted fault,
     and show where they diverge."""
     from accucheck.demo import run_demo
+    from accucheck.paths import check_output_dir
 
+    check_output_dir(out_dir)
     return run_demo(Path(out_dir), force=force, echo=click.echo, log=err)
 
 
@@ -345,8 +391,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.UsageError as e:  # one line, like every other error; exit 2
+        cmd = e.ctx.command_path if e.ctx is not None else "accucheck"
+        err(f"accucheck: error: {one_line(e.format_message())} (see `{cmd} --help`)")
+        sys.exit(EXIT_USAGE)
     except click.ClickException as e:
-        e.show()
+        err(f"accucheck: error: {one_line(e.format_message())}")
         sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         err("accucheck: interrupted")

@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from accucheck.compat import check_same_model
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
@@ -278,8 +279,12 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
                   tolerances: ToleranceTable | None = None,
                   steps: Iterable[int] | None = None, include: Sequence[str] = (),
                   allow_incomplete: bool = False, max_elems: int = 1 << 20,
-                  progress: Progress | None = None) -> DiffResult:
+                  progress: Progress | None = None,
+                  allow_model_mismatch: bool = False) -> DiffResult:
     """Compare candidate against reference (and both against `golden` when given).
+
+    Captures of different model architectures (config hash in meta) are refused (UserError,
+    exit 3) unless `allow_model_mismatch` (accucheck.compat).
 
     `steps`: compare only these steps; `include`: only keys matching one of these globs (matched
     like tolerance overrides: full key, key without request/step, or module path). Paths are
@@ -298,6 +303,7 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
 
     try:
         R, C, G = _open(ref), _open(cand), _open(golden)
+        check_same_model(R, C, G, allow_model_mismatch=allow_model_mismatch)
         return _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
     finally:
         for r in opened:

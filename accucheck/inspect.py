@@ -57,8 +57,9 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
                                 "has_data": r.has_data} for r in rows]
         return json.dumps(info, indent=1, default=str)
     head = [
-        ("complete", "yes" if reader.complete else "NO: INCOMPLETE capture (interrupted); "
-                                                   "re-run it before comparing"),
+        ("complete", "yes" if reader.complete else "NO: INCOMPLETE capture (interrupted, killed "
+                                                   "or out of disk space); re-run it before "
+                                                   "comparing"),
         ("runner / device", f"{info['runner']} / {info['device']} "
                             f"({info['environment'].get('device_name')})"),
         ("dtype / mode", f"{info['dtype']} / {info['mode']}" + _compiled(info)),

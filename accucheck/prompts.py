@@ -36,6 +36,6 @@ def read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[str
             if not isinstance(text, str) or not text:
                 raise UserError(f"{p}:{i}: no \"prompt\" or \"text\" string in this line")
             out.append(text)
-    if not out:
-        raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    if not out:  # a usage error (exit 2); an empty prompts file is bad input (exit 3)
+        raise UserError.usage("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
     return out

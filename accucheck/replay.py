@@ -135,10 +135,12 @@ def _select(calls: list[OpCall], patterns: Sequence[str]) -> list[OpCall]:
 def replay_ops(ref: str | os.PathLike, ops: Sequence[str] = (), *, device: str = "cpu",
                golden: bool = True, limit: int | None = 50) -> ReplayResult:
     """Replay the selected op calls of `ref` here (and in float64 on the CPU); see the module
-    docstring. Raises UserError when the capture has no replayable op records or nothing
-    matches `ops`."""
+    docstring. Raises UserError when the capture has no replayable op records, nothing
+    matches `ops`, or none of the selected ops could run (nothing checked is not a pass)."""
     from accucheck.capture import device as dev
 
+    if limit is not None and limit < 1:
+        raise UserError.usage(f"--limit {limit}: replay at least one op")
     spec = dev.parse_device(device)
     tdev = dev.torch_device(spec)
     with open_capture(ref) as R:
@@ -156,6 +158,16 @@ def replay_ops(ref: str | os.PathLike, ops: Sequence[str] = (), *, device: str =
         if limit is not None and len(chosen) > limit:
             chosen = chosen[:limit]
         results = [_replay_one(R, c, tdev, golden) for c in chosen]
+    ran = [o for o in results if o.ran]
+    if not ran:
+        why = results[0].why if results else "nothing selected"
+        raise UserError(f"nothing replayed: none of the {len(results)} selected op call(s) of "
+                        f"{ref} could run here (first: {why}); capture the reference with "
+                        f"--level op --store full --inputs")
+    if golden and not any(o.label is not None for o in ran):
+        raise UserError(f"nothing refereed: {len(ran)} op call(s) of {ref} ran here but none "
+                        f"could be run in float64 on the CPU; pass --no-golden to compare with "
+                        f"the recorded outputs only")
     return ReplayResult(str(ref), str(spec), tuple(results))
 
 
@@ -246,7 +258,10 @@ def render(result: ReplayResult, fmt: str = "table") -> str:
     rows = [[o.ident, o.dtype, g(o.ref_vs_golden), g(o.here_vs_golden), g(o.here_vs_recorded),
              o.label or ("-" if o.ran else f"not run: {o.why}")] for o in result.ops]
     worse = [o for o in result.ops if o.label == "here worse"]
-    head = (f"PASS: {len(result.ops)} op(s) replayed on {result.device}: none computes further "
+    ran = sum(o.ran for o in result.ops)
+    skipped = f" ({len(result.ops) - ran} could not run, listed below)" if ran < len(result.ops) \
+        else ""
+    head = (f"PASS: {ran} op(s) replayed on {result.device}{skipped}: none computes further "
             f"from float64 than the reference device") if result.within else \
         (f"FAIL: {len(worse)} of {len(result.ops)} op(s) compute further from float64 on "
          f"{result.device} than on the reference device; first {worse[0].ident} "

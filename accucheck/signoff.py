@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,8 @@ from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
 from accucheck.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 
 Progress = Callable[[str], None]
-REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots", "captures")
+REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")
+ROLES = ("reference", "candidate", "golden")
 # Headline metrics compared against the last release: name -> which direction is better.
 METRIC_DIRECTIONS = {
     "max_layer_rel_l2": "lower", "max_logits_kl": "lower", "records_over_tolerance": "lower",
@@ -215,8 +217,12 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
 
     `ref` / `cand` / `golden`: existing captures that replace the scenario's runs; the others are
     captured here (into OUT_DIR/captures/). `previous` overrides the scenario's `previous`.
-    Refuses a non-empty `out_dir` unless `force` (then only the files it writes are replaced).
-    Raises UserError (exit 3): an existing report dir (without force), bad scenarios / captures.
+    Everything is checked before anything is written: the inputs open, none of them is an
+    output of this run (exit 2), `out_dir` is empty unless `force`. With `force`, only the
+    files this run writes are replaced, each when its new version is complete (captures
+    renamed into place, the report files swapped in after they were all written); nothing
+    else in `out_dir` is touched. Raises UserError (exit 3) for an existing report dir
+    (without force) and bad scenarios / captures.
     """
     log = progress or (lambda msg: None)
     t0 = time.monotonic()
@@ -227,33 +233,155 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
         if not p.is_file():
             raise UserError(f"--previous {previous} does not exist")
         scn = replace(scn, previous=p)
-    out = prepare_out_dir(out_dir, force)
+    out = Path(out_dir)
+    check_plan(scn, out, force, captured=[r for r in ROLES if _captured_here(scn, r)],
+               report=True, scenario_file=None if isinstance(scenario, Scenario) else scenario)
+    out = prepare_out_dir(out, force)
     paths = capture_runs(scn, out / "captures", force=force, progress=log)
     result = evaluate(scn, paths["reference"], paths["candidate"], paths.get("golden"),
                       progress=log, started=t0)
-    from accucheck.signoff_report import write_report
-
     log(f"signoff: writing the report to {out}")
-    write_report(result, out)
+    write_report_safely(result, out)
     return replace(result, out_dir=out)
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, force: bool) -> Path:
+def capture_only(scn: Scenario, role: str, out_dir: str | os.PathLike, *,
+                 ref: str | os.PathLike | None = None, force: bool = False,
+                 progress: Progress | None = None) -> Path:
+    """`signoff --capture-only ROLE`: capture just that run into OUT_DIR/captures/ROLE.h5 (e.g.
+    the reference on the GPU box), teacher-forced on `ref` when given."""
+    if role not in ROLES:
+        raise UserError.usage(f"--capture-only {role}: use reference, candidate or golden")
+    spec = scn.run(role)
+    if spec is None:
+        raise UserError(f"scenario {scn.name} has no {role} run: add a [{role}] table to it, or "
+                        f"capture another role")
+    if spec.capture is not None:
+        raise UserError(f"scenario {scn.name}: the {role} is an existing capture "
+                        f"({spec.capture}), nothing to capture")
+    if ref is not None and role == "reference":
+        raise UserError.usage("--capture-only reference with --ref: the reference is given, "
+                              "nothing to capture")
+    s = with_captures(scn, reference=ref)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file: choose another --out-dir")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise UserError(f"report directory {out} is not empty: choose another --out-dir or "
-                            f"pass --force to replace its report")
-        for name in REPORT_FILES:
-            p = out / name
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            elif p.exists() or p.is_symlink():
-                p.unlink()
+    target = out / "captures" / f"{role}.h5"
+    check_plan(s, out, force, captured=[role], report=False)
+    if target.parent.is_dir():
+        from accucheck.paths import check_output_file
+
+        check_output_file(target, force)
+    tokens_from = s.reference.capture if role != "reference" and spec.teacher_forcing \
+        and s.reference is not None else None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return capture_run(s, role, target, tokens_from=tokens_from, force=force, progress=progress)
+
+
+def _captured_here(scn: Scenario, role: str) -> bool:
+    spec = scn.run(role)
+    return spec is not None and spec.capture is None
+
+
+def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], report: bool,
+               scenario_file: str | os.PathLike | None = None) -> None:
+    """Before anything is written: the output directory can be used, the given captures and
+    the previous report open, no input is an output of this run (exit 2), the runs to capture
+    have prompts."""
+    from accucheck.paths import check_output_dir, outputs_overlap
+    from accucheck.store import open_capture
+
+    check_output_dir(out)
+    outputs = [out / "captures" / f"{r}.h5" for r in captured]
+    if report:
+        outputs += [out / n for n in REPORT_FILES]
+    inputs = {f"--{_ROLE_FLAG[r]}": scn.run(r).capture for r in ROLES
+              if scn.run(r) is not None and scn.run(r).capture is not None}
+    if report and scn.previous is not None:
+        inputs["--previous"] = scn.previous
+    if scenario_file is not None:
+        inputs["the scenario"] = scenario_file
+    outputs_overlap(outputs, inputs, "this sign-off")
+    for flag, path in inputs.items():
+        if flag.startswith("--") and flag != "--previous":
+            with open_capture(path):
+                pass
+    if report and scn.previous is not None:
+        _check_previous(scn.previous)
+    if captured and not scn.prompts:
+        raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
+                        f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
+
+
+_ROLE_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden"}
+
+
+def _check_previous(previous: Path) -> None:
+    """The last release's report.json (schema accucheck.signoff) or capture opens."""
+    if previous.suffix == ".json":
+        _read_previous(previous)
+    else:
+        from accucheck.store import open_capture
+
+        with open_capture(previous):
+            pass
+
+
+def _read_previous(previous: Path) -> dict:
+    import json
+
+    try:
+        doc = json.loads(previous.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"previous release report {previous} cannot be read: "
+                        f"{' '.join(str(e).split())}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != "accucheck.signoff":
+        raise UserError(f"previous {previous} is not an accucheck sign-off report.json "
+                        f"(schema accucheck.signoff): give the last release's report.json "
+                        f"or a capture of its candidate (.h5)")
+    return doc
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, force: bool) -> Path:
+    """The report directory, created if needed. A non-empty one is refused unless `force`;
+    nothing in it is deleted here (see `write_report_safely`)."""
+    from accucheck.paths import check_output_dir
+
+    out = check_output_dir(out_dir)
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"report directory {out} is not empty: choose another --out-dir or "
+                        f"pass --force to replace its report")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def write_report_safely(result: "SignoffResult", out: Path) -> None:
+    """Write the report files into `out`, replacing an earlier report only when the new one is
+    complete: the old files are moved aside first and put back if writing fails."""
+    from accucheck.signoff_report import write_report
+
+    old = [out / n for n in REPORT_FILES if (out / n).exists() or (out / n).is_symlink()]
+    aside = Path(tempfile.mkdtemp(dir=out, prefix=".accucheck-old-report-")) if old else None
+    moved: list[Path] = []
+    try:
+        for p in old:
+            os.replace(p, aside / p.name)
+            moved.append(p)
+        write_report(result, out)
+    except BaseException:
+        for n in REPORT_FILES:  # what this failed write left
+            p = out / n
+            if p in moved and not (aside / n).exists():
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        for p in moved:
+            os.replace(aside / p.name, p)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def capture_runs(scn: Scenario, cap_dir: Path, *, force: bool = False,
@@ -262,8 +390,10 @@ def capture_runs(scn: Scenario, cap_dir: Path, *, force: bool = False,
     scenario describes as runs into `cap_dir` (reference first: the others follow its tokens).
     `only`: capture just this role (e.g. the reference on the GPU box)."""
     out: dict[str, Path] = {}
-    roles = [r for r in ("reference", "candidate", "golden") if scn.run(r) is not None]
+    roles = [r for r in ROLES if scn.run(r) is not None]
     if only is not None:
+        if scn.run(only) is None:
+            raise UserError(f"scenario {scn.name} has no {only} run")
         roles = [only]
     for role in roles:
         spec = scn.run(role)
@@ -314,7 +444,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
         elif spec.fault is None:
             capture_dir(model_dir, list(scn.prompts), out, opts,
-                        trust_remote_code=scn.trust_remote_code, progress=log)
+                        trust_remote_code=scn.trust_remote_code, progress=log, announce=False)
         else:
             from accucheck.capture.device import parse_device, torch_device
             from accucheck.capture.faults import planted
@@ -508,19 +638,10 @@ def compare_previous(scn: Scenario, current: Metrics, ref: str | os.PathLike, pr
     with the same tolerances. A metric is "same" when it moved by at most `regression_margin`
     (relative) or stays below a noise floor (a tenth of the tolerance: 0.1 x rel_l2 tolerance
     for rel_l2, its square for KL); counts and agreement fractions compare exactly."""
-    import json
-
     thr = scn.thresholds
     note = ""
     if previous.suffix == ".json":
-        try:
-            doc = json.loads(previous.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"previous release report {previous} cannot be read: {e}") from None
-        if not isinstance(doc, dict) or doc.get("schema") != "accucheck.signoff":
-            raise UserError(f"previous {previous} is not an accucheck sign-off report.json "
-                            f"(schema accucheck.signoff): give the last release's report.json "
-                            f"or a capture of its candidate (.h5)")
+        doc = _read_previous(previous)
         prev = {k: _unnum(v) for k, v in (doc.get("metrics") or {}).items()}
         if doc.get("scenario", {}).get("name") != scn.name:
             note = (f"the previous report is for scenario {doc.get('scenario', {}).get('name')!r}"

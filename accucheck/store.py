@@ -1,4 +1,4 @@
-"""HDF5 capture files: the only module that imports h5py. Imports accucheck.errors and keys.
+"""HDF5 capture files: the only module that imports h5py. Imports accucheck.errors, keys, paths.
 
 One capture = one HDF5 file, schema version 1. Everything below can be read with h5py alone:
 
@@ -47,12 +47,26 @@ Row order in /index is execution order (HDF5 iterates group members alphabetical
 The index is appended as the capture runs and flushed at step ends (at most once a second), so a
 capture killed midway still opens: `complete` is then false and readers refuse it unless asked not to.
 Nothing in a file is ever deserialised as code: strings, numbers and arrays only.
+
+Writing never loses an existing file: a writer that replaces one (force) writes a temporary file
+beside it (".NAME.*.partial" in the same folder) and renames it into place only on a clean,
+complete close; an interrupted or failed capture removes the temporary file and leaves the old
+one as it was. A new file is written in place, so a capture killed midway leaves it incomplete.
+A full disk (or `ulimit -f`) ends the capture with one UserError; the file keeps the records
+flushed so far and opens as incomplete.
+
+A reader checks, when it opens a file, the layout it relies on (attributes, /meta, every /index
+column, record keys, statistics, /requests) and raises a UserError that names the file and what
+is wrong; a tensor is checked against its index row (present, same shape) when it is read.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -61,7 +75,9 @@ import h5py
 import numpy as np
 
 from accucheck.errors import UserError
+from accucheck.errors import one_line as _one_line
 from accucheck.keys import RecordKey
+from accucheck.paths import check_output_file, free_bytes, temp_beside
 
 FORMAT = "accucheck"
 SCHEMA_VERSION = 1
@@ -135,14 +151,34 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_ERRNO_IN_MESSAGE = re.compile(r"errno = (\d+)")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """True for a write that failed because the disk (or `ulimit -f`, or a quota) is full; HDF5
+    reports the errno of the failed write(2) inside its message."""
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
+        return True
+    m = _ERRNO_IN_MESSAGE.search(str(e))
+    return bool(m) and int(m.group(1)) in _DISK_FULL
+
+
 class CaptureWriter:
     """Append-only writer for one capture file.
 
-    Refuses to overwrite an existing file unless `force`. `add` buffers index rows and writes
-    tensors at once; `flush` (called by the recorder after every step) writes the buffered rows
-    and flushes HDF5, so a killed capture leaves a readable, incomplete file. Use as a context
-    manager: a clean exit sets `complete`, an exception leaves it false.
+    Refuses to overwrite an existing file unless `force`; then the new capture is written beside
+    it and renamed into place only by a complete close (see the module docstring). `add`
+    buffers index rows and writes tensors at once; `flush` (called by the recorder after every
+    step) writes the buffered rows and flushes HDF5, so a killed capture leaves a readable,
+    incomplete file. Use as a context manager: a clean exit sets `complete`, an exception leaves
+    it false. A full disk raises UserError ("disk full writing ...") and leaves the file
+    incomplete with the records flushed so far; the writer stops short of the limit (keeping
+    room for a clean close) when it can see it coming (free space, `ulimit -f`).
     """
+
+    # bytes kept free for the index rows and metadata that a clean close still writes
+    reserve = 64 * 1024
 
     def __init__(self, path: str | os.PathLike, *, meta: dict, store: str = "stats",
                  force: bool = False, compression: str | None = None):
@@ -150,35 +186,158 @@ class CaptureWriter:
             raise UserError(f"unknown store mode {store!r}: use one of {', '.join(STORE_MODES)}")
         if compression not in (None, "gzip", "lzf"):
             raise UserError(f"unknown compression {compression!r}: use gzip or lzf")
-        self.path = Path(path)
-        if self.path.exists() and not force:
-            raise UserError(f"{self.path} exists: choose another -o or pass --force to overwrite it")
-        if not self.path.parent.exists():
-            raise UserError(f"output folder {self.path.parent} does not exist: create it first")
+        self.path = check_output_file(path, force)
         self.store = store
         self.compression = compression
-        self._f = h5py.File(self.path, "w")
-        self._f.attrs["format"] = FORMAT
-        self._f.attrs["schema_version"] = SCHEMA_VERSION
-        self._f.attrs["complete"] = False
-        self._f.create_dataset("meta", data=json.dumps(dict(meta, store=store), sort_keys=True),
-                               dtype=_STR)
-        idx = self._f.create_group("index")
-        for name, dt in {**_INDEX_COLUMNS, **_OPTIONAL_COLUMNS}.items():
-            idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt,
-                               chunks=(_INDEX_CHUNK,))
-        idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)), maxshape=(None, len(STAT_FIELDS)),
-                           dtype=np.float64, chunks=(_INDEX_CHUNK, len(STAT_FIELDS)))
-        idx.create_dataset("sample", shape=(0, SAMPLE_SIZE), maxshape=(None, SAMPLE_SIZE),
-                           dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
-        self._f.create_group("tensors")
-        self._f.create_group("requests")
         self._rows: list[tuple] = []
         self._n = 0
         self._seen: set[str] = set()
         self._closed = False
         self.flush_interval = 1.0
         self._last_flush = float("-inf")
+        self._free: int | None = None  # free bytes at the last look (see _room)
+        self._free_at = float("-inf")
+        self._spent = 0
+        # replacing an existing file: write beside it, rename into place on a complete close
+        self.replacing = self.path.exists() or self.path.is_symlink()
+        if self.replacing:
+            self.file = temp_beside(self.path)
+        else:
+            self.file = self.path
+        try:
+            # no chunk cache: a failed write (full disk) raises here, in add / flush, never
+            # later inside a finalizer
+            self._f = h5py.File(self.file, "w" if self.replacing else "w-", rdcc_nbytes=0)
+        except FileExistsError:
+            raise UserError(f"{self.path} exists: choose another -o or pass --force to "
+                            f"overwrite it") from None
+        except OSError as e:
+            self._discard()
+            if _disk_full(e):
+                raise UserError(f"disk full creating {self.path}: nothing written; free some "
+                                f"space and re-run") from None
+            raise UserError(f"cannot create {self.path}: {_one_line(e)}") from None
+        try:
+            with self._io():
+                self._f.attrs["format"] = FORMAT
+                self._f.attrs["schema_version"] = SCHEMA_VERSION
+                self._f.attrs["complete"] = False
+                self._f.create_dataset("meta", data=json.dumps(dict(meta, store=store),
+                                                               sort_keys=True), dtype=_STR)
+                idx = self._f.create_group("index")
+                for name, dt in {**_INDEX_COLUMNS, **_OPTIONAL_COLUMNS}.items():
+                    idx.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt,
+                                       chunks=(_INDEX_CHUNK,))
+                idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)),
+                                   maxshape=(None, len(STAT_FIELDS)), dtype=np.float64,
+                                   chunks=(_INDEX_CHUNK, len(STAT_FIELDS)))
+                idx.create_dataset("sample", shape=(0, SAMPLE_SIZE), maxshape=(None, SAMPLE_SIZE),
+                                   dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
+                self._f.create_group("tensors")
+                self._f.create_group("requests")
+                self._f.flush()  # on disk at once: from here on a killed capture opens
+        except UserError:  # the disk is full before the first record
+            self._discard()
+            raise UserError(f"disk full creating {self.path}: nothing written; free some space "
+                            f"(or raise `ulimit -f`) and re-run") from None
+        except BaseException:
+            self._closed = True
+            self._close_file()
+            self._discard()  # a skeleton that never held a record: nothing to keep
+            raise
+
+    # -- failure handling
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Turn a full disk during HDF5 writes into one UserError (see `_disk_is_full`)."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            self._disk_is_full()
+
+    def _room(self, nbytes: int) -> None:
+        """Stop cleanly, before HDF5 hits a full disk, when `nbytes` more would not leave room
+        for the close. The free space is asked again at most once a second or when half of
+        what was free at the last look has been written (statvfs can be slow on network file
+        systems); a disk filled by someone else in between is `_disk_is_full`'s case."""
+        need = nbytes + self._close_bytes()
+        now = time.monotonic()
+        if self._free is not None and now - self._free_at < 1.0 \
+                and self._spent + need <= self._free // 2:
+            self._spent += nbytes
+            return
+        self._free, self._free_at, self._spent = \
+            free_bytes(self.file.parent, self._size()), now, nbytes
+        if self._free is None or self._free >= need:
+            return
+        self._closed = True
+        try:
+            self._write_rows()
+            self._f.flush()
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            self._disk_is_full()
+        self._close_file()
+        self._stopped()
+
+    def _size(self) -> int:
+        try:
+            return int(self._f.id.get_filesize())
+        except Exception:
+            return 0
+
+    def _close_bytes(self) -> int:
+        """About what writing the buffered rows and closing needs: index chunks of _INDEX_CHUNK
+        rows (the sample column dominates) and metadata."""
+        k = len(self._rows)
+        chunks = -(-(self._n + k) // _INDEX_CHUNK) - (-(-self._n // _INDEX_CHUNK)) + 1
+        row_bytes = 8 * (len(STAT_FIELDS) + SAMPLE_SIZE + 1) + 16 * (len(_INDEX_COLUMNS) + 1)
+        return self.reserve + chunks * _INDEX_CHUNK * row_bytes + k * 256
+
+    def _disk_is_full(self) -> None:
+        """A write failed for lack of space. HDF5 cannot be closed cleanly on a full disk (a
+        second failing close crashes h5py), so its file descriptor is pointed at /dev/null
+        first: what it still writes is dropped and the file keeps what was flushed."""
+        self._closed = True
+        try:
+            fd = self._f.id.get_vfd_handle()
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, int(fd))
+            finally:
+                os.close(null)
+        except Exception:
+            pass
+        self._close_file()
+        self._stopped()
+
+    def _stopped(self) -> None:
+        if self.replacing:
+            self._discard()
+            raise UserError(f"disk full writing {self.path}: the new capture was discarded "
+                            f"after {self._n} records; {self.path} is unchanged; free some "
+                            f"space (or raise `ulimit -f`) and re-run")
+        raise UserError(f"disk full writing {self.path}: {self._n} records written, file left "
+                        f"incomplete; free some space (or raise `ulimit -f`) and re-run the "
+                        f"capture with --force")
+
+    def _close_file(self) -> None:
+        try:
+            if self._f.id.valid:
+                self._f.close()
+        except Exception:
+            pass
+
+    def _discard(self) -> None:
+        try:
+            self.file.unlink()
+        except OSError:
+            pass
 
     def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
@@ -195,14 +354,18 @@ class CaptureWriter:
         self._seen.add(skey)
         order = self._n + len(self._rows)
         name = ""
+        if self._closed:
+            raise ValueError(f"{self.path}: add after close")
         if data is not None and self.store == "full":
             name = f"{order:08d}"
             arr = np.ascontiguousarray(data)
+            self._room(arr.nbytes + 4096)
             chunks = _chunk_shape(arr.shape, arr.itemsize) if arr.size else None
-            ds = self._f["tensors"].create_dataset(
-                name, data=arr, chunks=chunks,
-                compression=self.compression if arr.size else None)
-            ds.attrs["dtype"] = dtype
+            with self._io():
+                ds = self._f["tensors"].create_dataset(
+                    name, data=arr, chunks=chunks,
+                    compression=self.compression if arr.size else None)
+                ds.attrs["dtype"] = dtype
         row = np.asarray(stats, dtype=np.float64).reshape(-1)
         if row.size not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
             raise ValueError(f"stats row of {row.size} values for {skey}")
@@ -213,20 +376,25 @@ class CaptureWriter:
 
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
-        g = self._f["requests"].require_group(str(i))
-        for name, ids in (("prompt_ids", prompt_ids), ("generated_ids", generated_ids)):
-            if name in g:
-                del g[name]
-            g.create_dataset(name, data=np.asarray(list(ids), dtype=np.int64))
-        if prompt is not None:
-            g.attrs["prompt"] = prompt
+        self._room(8 * (len(prompt_ids) + len(generated_ids)) + 8192)
+        with self._io():
+            g = self._f["requests"].require_group(str(i))
+            for name, ids in (("prompt_ids", prompt_ids), ("generated_ids", generated_ids)):
+                if name in g:
+                    del g[name]
+                g.create_dataset(name, data=np.asarray(list(ids), dtype=np.int64))
+            if prompt is not None:
+                g.attrs["prompt"] = prompt
 
     def update_meta(self, **fields) -> None:
         """Add what is only known at the end of a capture (e.g. shadow replay counts) to /meta."""
-        meta = json.loads(_as_str(self._f["meta"][()]))
-        meta.update(fields)
-        del self._f["meta"]
-        self._f.create_dataset("meta", data=json.dumps(meta, sort_keys=True), dtype=_STR)
+        with self._io():
+            meta = json.loads(_as_str(self._f["meta"][()]))
+            meta.update(fields)
+            text = json.dumps(meta, sort_keys=True)
+            self._room(2 * len(text) + 8192)
+            del self._f["meta"]
+            self._f.create_dataset("meta", data=text, dtype=_STR)
 
     def flush(self, force: bool = False) -> None:
         """Write buffered index rows and flush HDF5. Cheap to call after every step: unless
@@ -236,6 +404,12 @@ class CaptureWriter:
         if not force and now - self._last_flush < self.flush_interval:
             return
         self._last_flush = now
+        self._room(0)
+        with self._io():
+            self._write_rows()
+            self._f.flush()
+
+    def _write_rows(self) -> None:
         if self._rows:
             idx = self._f["index"]
             n0, k = self._n, len(self._rows)
@@ -251,21 +425,34 @@ class CaptureWriter:
                 ds[n0:] = np.stack(cols[j])
             self._n += k
             self._rows.clear()
-        self._f.flush()
 
     @property
     def n_records(self) -> int:
         return self._n + len(self._rows)
 
     def close(self, complete: bool = True) -> None:
+        """Write what is buffered and close; `complete` marks the capture finished. Replacing
+        an existing file: a complete close renames the new file into place, an incomplete one
+        removes it (the old file stays). Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        done = False
         try:
             self.flush(force=True)
-            self._f.attrs["complete"] = bool(complete)
+            with self._io():
+                self._f.attrs["complete"] = bool(complete)
+            self._closed = True
+            with self._io():
+                self._f.close()
+            done = True
         finally:
-            self._f.close()
+            self._closed = True
+            self._close_file()
+            if self.replacing and self.file.exists():
+                if done and complete:
+                    os.replace(self.file, self.path)
+                else:
+                    self._discard()
 
     def __enter__(self) -> "CaptureWriter":
         return self
@@ -295,60 +482,164 @@ def _chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = 1 << 20) -
 class CaptureReader:
     """Read-only view of a capture file. Open with `open_capture`.
 
-    Raises UserError (exit 3) for a missing / unreadable / foreign / wrong-version file, and for
-    an incomplete one unless `allow_incomplete`.
+    Raises UserError (exit 3) for a missing / unreadable / foreign / wrong-version / damaged
+    file (naming what is wrong), and for an incomplete one unless `allow_incomplete`.
     """
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False):
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise UserError(f"{self.path}: no such capture file")
+        if not self.path.is_file():
+            raise UserError(f"{self.path}: not a file (a directory?): give a capture file (.h5)")
         try:
             self._f = h5py.File(self.path, "r")
         except OSError as e:
-            raise UserError(f"{self.path}: not a readable HDF5 file ({e.__class__.__name__}); "
-                            f"was the capture killed before its first flush?") from None
+            raise UserError(_open_error(self.path, e)) from None
         try:
             self._check(allow_incomplete)
-            self.meta: dict = json.loads(_as_str(self._f["meta"][()]))
+            self.meta: dict = self._load_meta()
             self.rows: list[IndexRow] = self._load_index()
+            self._requests: list[RequestTokens] = self._load_requests()
         except Exception:
             self._f.close()
             raise
         self._by_key = {str(r.key): r for r in self.rows}
 
+    def _damaged(self, what: str) -> UserError:
+        return UserError(f"{self.path}: damaged capture: {what}; re-capture it (or copy it "
+                         f"again)")
+
     def _check(self, allow_incomplete: bool) -> None:
         a = self._f.attrs
         if _as_str(a.get("format", "")) != FORMAT:
             raise UserError(f"{self.path}: not an accucheck capture (no format=accucheck attribute)")
-        version = int(a.get("schema_version", -1))
+        raw = a.get("schema_version", None)
+        if raw is None:
+            raise self._damaged("no schema_version attribute")
+        if not (isinstance(raw, (int, np.integer)) and not isinstance(raw, (bool, np.bool_))):
+            raise self._damaged(f"schema_version is {_short(raw)}, not an integer")
+        version = int(raw)
         if version != SCHEMA_VERSION:
             raise UserError(f"{self.path}: schema version {version}, this accucheck reads "
                             f"{SCHEMA_VERSION}; HINT: {REGENERATE_HINT}")
         self.complete = bool(a.get("complete", False))
         if not self.complete and not allow_incomplete:
-            raise UserError(f"{self.path}: incomplete capture (the run was interrupted); "
+            raise UserError(f"{self.path}: incomplete capture (interrupted, killed or out of disk "
+                            f"space); "
                             f"re-run the capture, or `accucheck inspect` it to see what it holds")
 
+    def _dataset(self, name: str, *, group: h5py.Group | None = None,
+                 where: str = "") -> h5py.Dataset:
+        g = self._f if group is None else group
+        obj = g.get(name)
+        if obj is None:
+            raise self._damaged(f"{where}/{name} is missing")
+        if not isinstance(obj, h5py.Dataset):
+            raise self._damaged(f"{where}/{name} is not a dataset")
+        return obj
+
+    def _load_meta(self) -> dict:
+        ds = self._dataset("meta")
+        try:
+            meta = json.loads(_as_str(ds[()]))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError):
+            raise self._damaged("/meta is not JSON") from None
+        if not isinstance(meta, dict):
+            raise self._damaged("/meta is not a JSON object")
+        return meta
+
     def _load_index(self) -> list[IndexRow]:
-        idx = self._f["index"]
-        n = min(idx[c].shape[0] for c in list(_INDEX_COLUMNS) + ["stats"])
-        cols = {c: idx[c][:n] for c in _INDEX_COLUMNS}
-        extra = idx["extra"][:n] if "extra" in idx and idx["extra"].shape[0] >= n else None
-        sample = idx["sample"][:n] if "sample" in idx and idx["sample"].shape[0] >= n else None
-        stats = idx["stats"][:n]
+        idx = self._f.get("index")
+        if not isinstance(idx, h5py.Group):
+            raise self._damaged("/index is missing")
+        cols = {c: self._dataset(c, group=idx, where="/index")
+                for c in list(_INDEX_COLUMNS) + ["stats"]}
+        for c, ds in cols.items():
+            want = (2, len(STAT_FIELDS)) if c == "stats" else (1, None)
+            if ds.ndim != want[0] or (want[1] is not None and ds.shape[1] != want[1]):
+                raise self._damaged(f"/index/{c} has shape {ds.shape}")
+        opt = {}
+        for c, width in (("extra", None), ("sample", SAMPLE_SIZE)):
+            if c in idx:
+                ds = self._dataset(c, group=idx, where="/index")
+                if ds.ndim != (1 if width is None else 2) or (width and ds.shape[1] != width):
+                    raise self._damaged(f"/index/{c} has shape {ds.shape}")
+                opt[c] = ds
+        lengths = {c: ds.shape[0] for c, ds in cols.items()}
+        n = min(lengths.values())
+        if self.complete and len(set(lengths.values())) > 1:
+            raise self._damaged("the /index columns have different lengths ("
+                                + ", ".join(f"{c} {k}" for c, k in lengths.items()) + ")")
+        try:
+            data = {c: ds[:n] for c, ds in cols.items()}
+            extra = opt["extra"][:n] if "extra" in opt and opt["extra"].shape[0] >= n else None
+            sample = opt["sample"][:n] if "sample" in opt and opt["sample"].shape[0] >= n \
+                else None
+        except (OSError, ValueError, TypeError) as e:
+            raise self._damaged(f"/index cannot be read ({_one_line(e, 120)})") from None
+        stats = np.asarray(data["stats"], dtype=np.float64)
+        counts = stats[:, 6:]  # nan, inf, zero, numel
+        bad = ~np.isfinite(counts) | (counts < 0) | (counts != np.round(counts))
+        if bad.any():
+            i = int(np.argwhere(bad)[0][0])
+            raise self._damaged(f"/index/stats row {i} has counts {counts[i].tolist()} (nan, inf,"
+                                f" zero, numel must be whole numbers >= 0)")
+        tensors = self._f.get("tensors")
+        names = set(tensors.keys()) if isinstance(tensors, h5py.Group) else set()
         rows = []
         for i in range(n):
+            try:
+                key = RecordKey.parse(_as_str(data["key"][i]))
+            except UserError:
+                raise self._damaged(f"/index/key row {i} is {_short(data['key'][i])}, not a "
+                                    f"record key (r0.s0:model.layers.0#0:out.0)") from None
+            kind = _as_str(data["kind"][i])
+            if kind not in KINDS:
+                raise self._damaged(f"record {key} has kind {kind!r}, not one of {KINDS}")
+            try:
+                shape = tuple(json.loads(_as_str(data["shape"][i])))
+                if not all(isinstance(d, int) and d >= 0 for d in shape):
+                    raise ValueError
+            except (ValueError, TypeError):
+                raise self._damaged(f"record {key} has shape {_short(data['shape'][i])}, not a "
+                                    f"list of sizes") from None
+            name = _as_str(data["data"][i])
+            if name and name not in names:
+                raise self._damaged(f"record {key}: its tensor /tensors/{name} is missing")
             rows.append(IndexRow(
-                key=RecordKey.parse(_as_str(cols["key"][i])), order=i,
-                kind=_as_str(cols["kind"][i]), dtype=_as_str(cols["dtype"][i]),
-                shape=tuple(json.loads(_as_str(cols["shape"][i]))),
-                stats=Stats.from_row(stats[i]), checksum=int(cols["checksum"][i]),
-                data=_as_str(cols["data"][i]),
+                key=key, order=i, kind=kind, dtype=_as_str(data["dtype"][i]), shape=shape,
+                stats=Stats.from_row(stats[i]), checksum=int(data["checksum"][i]), data=name,
                 extra=_as_str(extra[i]) if extra is not None else "",
                 sample=sample[i] if sample is not None and not np.isnan(sample[i]).all()
                 else None))
+        if len({str(r.key) for r in rows}) != len(rows):
+            raise self._damaged("/index/key lists a record twice")
         return rows
+
+    def _load_requests(self) -> list[RequestTokens]:
+        g = self._f.get("requests")
+        if not isinstance(g, h5py.Group):
+            raise self._damaged("/requests is missing")
+        names = list(g)
+        if not all(n.isdigit() for n in names):
+            raise self._damaged(f"/requests holds {_short(next(n for n in names if not n.isdigit()))}"
+                                f", not a request number")
+        out = []
+        for name in sorted(names, key=int):
+            r = g[name]
+            if not isinstance(r, h5py.Group):
+                raise self._damaged(f"/requests/{name} is not a group")
+            ids = []
+            for col in ("prompt_ids", "generated_ids"):
+                ds = self._dataset(col, group=r, where=f"/requests/{name}")
+                if ds.ndim != 1 or ds.dtype.kind not in "iu":
+                    raise self._damaged(f"/requests/{name}/{col} is not a list of token ids")
+                ids.append(ds[()])
+            prompt = r.attrs.get("prompt")
+            out.append(RequestTokens(ids[0], ids[1],
+                                     _as_str(prompt) if prompt is not None else None))
+        return out
 
     @property
     def store_mode(self) -> str:
@@ -360,27 +651,47 @@ class CaptureReader:
     def __contains__(self, key: RecordKey | str) -> bool:
         return str(key) in self._by_key
 
+    def _tensor(self, row: IndexRow) -> h5py.Dataset:
+        """The dataset of `row`, checked against its index row."""
+        if not row.has_data:
+            raise UserError(f"{self.path}: {row.key} has statistics only; capture with --store full")
+        ds = self._f["tensors"].get(row.data)
+        if not isinstance(ds, h5py.Dataset):
+            raise self._damaged(f"record {row.key}: its tensor /tensors/{row.data} is missing")
+        if tuple(ds.shape) != tuple(row.shape):
+            raise self._damaged(f"record {row.key}: /tensors/{row.data} has shape "
+                                f"{list(ds.shape)}, the index says {list(row.shape)}")
+        want = np.uint16 if row.dtype == "bfloat16" else _NATIVE.get(row.dtype)
+        if want is not None and ds.dtype != np.dtype(want):
+            raise self._damaged(f"record {row.key}: /tensors/{row.data} holds {ds.dtype}, the "
+                                f"index says {row.dtype}")
+        return ds
+
+    def _get(self, ds: h5py.Dataset, sel, row: IndexRow) -> np.ndarray:
+        try:
+            return ds[sel]
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._damaged(f"record {row.key}: /tensors/{row.data} cannot be read "
+                                f"({_one_line(e, 120)})") from None
+
     def read(self, key: RecordKey | str) -> np.ndarray:
         """The full tensor, exactly: bfloat16 comes back as float32 holding the same values."""
         row = self.row(key)
-        if not row.has_data:
-            raise UserError(f"{self.path}: {key} has statistics only; capture with --store full")
-        return self._decode(self._f["tensors"][row.data][()], row.dtype)
+        return self._decode(self._get(self._tensor(row), (), row), row.dtype)
 
     def iter_chunks(self, key: RecordKey | str, max_elems: int = 1 << 20) -> Iterator[np.ndarray]:
         """The tensor as flat chunks of at most about `max_elems` elements, in C order, exact
         values (bfloat16 as float32). Memory stays bounded whatever the tensor size."""
         row = self.row(key)
-        if not row.has_data:
-            raise UserError(f"{self.path}: {key} has statistics only; capture with --store full")
-        ds = self._f["tensors"][row.data]
+        ds = self._tensor(row)
         if ds.ndim == 0:
-            yield self._decode(np.asarray(ds[()]).reshape(1), row.dtype)
+            yield self._decode(np.asarray(self._get(ds, (), row)).reshape(1), row.dtype)
             return
         k, step = _split_axis(ds.shape, max_elems)
         for idx in np.ndindex(*ds.shape[:k]):
             for i in range(0, ds.shape[k], step):
-                yield self._decode(ds[idx + (slice(i, i + step),)], row.dtype).reshape(-1)
+                yield self._decode(self._get(ds, idx + (slice(i, i + step),), row),
+                                   row.dtype).reshape(-1)
 
     @staticmethod
     def _decode(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -390,14 +701,7 @@ class CaptureReader:
 
     @property
     def requests(self) -> list[RequestTokens]:
-        g = self._f["requests"]
-        out = []
-        for name in sorted(g, key=int):
-            r = g[name]
-            prompt = r.attrs.get("prompt")
-            out.append(RequestTokens(r["prompt_ids"][()], r["generated_ids"][()],
-                                     _as_str(prompt) if prompt is not None else None))
-        return out
+        return list(self._requests)
 
     def close(self) -> None:
         self._f.close()
@@ -411,6 +715,31 @@ class CaptureReader:
 
 def open_capture(path: str | os.PathLike, *, allow_incomplete: bool = False) -> CaptureReader:
     return CaptureReader(path, allow_incomplete=allow_incomplete)
+
+
+def _open_error(path: Path, e: OSError) -> str:
+    """One line for an HDF5 file that does not open: in use, not HDF5, or cut short."""
+    text = str(e)
+    if isinstance(e, BlockingIOError) or "unable to lock file" in text:
+        return (f"{path}: in use by another process (a capture still writing it?): wait until "
+                f"it finishes (`accucheck inspect` then reads it), or read a copy")
+    if "truncated file" in text:
+        return (f"{path}: cut short ({_one_line(text.split('(', 1)[-1].rstrip(')'), 100)}): "
+                f"the copy is incomplete or the disk filled up; copy it again or re-capture")
+    if "signature not found" in text:
+        if path.stat().st_size == 0:
+            return f"{path}: empty file (was the capture killed before it started?); re-capture"
+        return (f"{path}: not a readable HDF5 file (no HDF5 signature): give a capture written "
+                f"by `accucheck capture`")
+    return (f"{path}: not a readable HDF5 file ({e.__class__.__name__}: {_one_line(text, 120)}); "
+            f"was the capture killed before its first flush?")
+
+
+def _short(v, limit: int = 60) -> str:
+    if isinstance(v, np.generic):
+        v = v.item()
+    text = repr(_as_str(v) if isinstance(v, bytes) else v)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _as_str(v) -> str:

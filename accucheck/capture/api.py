@@ -21,10 +21,11 @@ from torch import nn
 
 import accucheck
 from accucheck.capture import device as dev
-from accucheck.capture.hf import (config_hash, greedy_run, is_causal_lm, load_model_dir,
-                                  parse_dtype, weight_hash)
+from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
+                                  load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.recorder import Recorder, select_modules
 from accucheck.errors import UserError
+from accucheck.paths import check_not_input, check_output_file
 from accucheck.store import CaptureWriter, open_capture
 
 MODES = ("eager", "graph")
@@ -68,28 +69,53 @@ class CaptureOptions:
     meta_extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Usage errors (exit 2): what is wrong here is wrong whatever the files hold."""
         if self.mode not in MODES:
-            raise UserError(f"unknown mode {self.mode!r}: use eager or graph")
+            raise UserError.usage(f"unknown mode {self.mode!r}: use eager or graph")
         if self.level not in LEVELS:
-            raise UserError(f"unknown level {self.level!r}: use module or op")
+            raise UserError.usage(f"unknown level {self.level!r}: use module or op")
         if self.mode == "graph" and (self.level == "op" or self.shadow):
-            raise UserError("--level op and --shadow need --mode eager (a compiled graph runs "
-                            "neither ops one by one nor module replays)")
+            raise UserError.usage("--level op and --shadow need --mode eager (a compiled graph "
+                                  "runs neither ops one by one nor module replays)")
+        if self.compile_backend and self.mode != "graph":
+            raise UserError.usage("--compile-backend is for --mode graph")
         if self.max_new_tokens < 0:
-            raise UserError("--max-new-tokens must be >= 0")
+            raise UserError.usage("--max-new-tokens must be >= 0")
+        if self.store not in ("stats", "full"):
+            raise UserError.usage(f"unknown store mode {self.store!r}: use stats or full")
+        if self.compression not in (None, "gzip", "lzf"):
+            raise UserError.usage(f"unknown compression {self.compression!r}: use gzip or lzf")
         if self.dtype is not None:
             parse_dtype(self.dtype)
         dev.parse_device(self.device)
 
+    def inputs(self) -> dict[str, str]:
+        """The capture files this capture reads, by flag."""
+        return {flag: path for flag, path in (("--tokens-from", self.tokens_from),
+                                              ("--shadow", self.shadow)) if path}
+
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
                 opts: CaptureOptions, *, trust_remote_code: bool = False,
-                progress: Callable[[str], None] | None = None) -> Path:
-    """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture."""
-    check_output_path(out, opts.force)
+                progress: Callable[[str], None] | None = None, announce: bool = True) -> Path:
+    """Load a local Hugging Face model directory on `opts.device` in `opts.dtype` and capture.
+
+    Everything that can be checked before loading the model is (output path, inputs, prompts,
+    device, the model directory's files); `progress` then gets one line saying what runs
+    (unless not `announce`)."""
+    check_output_path(out, opts.force, opts.inputs())
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
     dtype = parse_dtype(opts.dtype or "float32")
+    if not prompts:
+        raise UserError.usage("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    for flag, path in opts.inputs().items():
+        _check_input(flag, path)
+    check_model_dir(model_dir, trust_remote_code=trust_remote_code)
+    if progress is not None and announce:
+        progress(f"capturing {model_dir} on {opts.device} ({_dtype_name(dtype)}, {opts.mode}, "
+                 f"store {opts.store}) for {len(prompts)} prompt(s), {opts.max_new_tokens} "
+                 f"decode step(s) -> {out}")
     model, tokenizer = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
     extra = dict(opts.meta_extra, model_path=str(Path(model_dir).resolve()))
     return capture_model(model, prompts, out, tokenizer=tokenizer, progress=progress,
@@ -105,11 +131,16 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     Options come as a CaptureOptions or as its fields in **kwargs. The model is not modified:
     if `opts.dtype` or `opts.device` differ from the model's, a copy is converted; hooks are
     removed afterwards, also on error. `progress` gets a line about every 2 s of a long capture
-    (prompt, step, records so far). Returns the path of the complete capture. Raises
-    UserError for bad input; a capture interrupted midway leaves a file marked incomplete.
+    (prompt, step, records so far). Returns the path of the complete capture.
+
+    Every input and option is checked before `out` is created or touched; an existing `out`
+    (with force) is replaced only when the new capture is complete. Raises UserError for bad
+    input, and for a capture ended by SIGINT / SIGTERM (checked at every step boundary; a
+    second signal aborts at once) or a full disk: a new `out` is then left marked incomplete,
+    an existing one unchanged.
     """
     opts = opts or CaptureOptions(**kwargs)
-    check_output_path(out, opts.force)
+    check_output_path(out, opts.force, opts.inputs())
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
     model = _on(model, tdev, parse_dtype(opts.dtype) if opts.dtype else None)
@@ -143,9 +174,19 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }
-    writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
-                           compression=opts.compression)
-    recorder = _recorder(model, writer, modules, opts)
+    # the shadow reference is opened and checked (full, with inputs) before the output exists
+    source = _shadow_source(opts)
+    writer = None
+    try:
+        writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
+                               compression=opts.compression)
+        recorder = _recorder(model, writer, modules, opts, source)
+    except BaseException:
+        if source is not None:
+            source.close()
+        if writer is not None:
+            writer.close(complete=False)
+        raise
     complete = False
     before = _compile_stats() if opts.mode == "graph" else {}
     ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
@@ -174,11 +215,24 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if opts.mode == "graph":
             writer.update_meta(compile_stats=_compile_stats(before))
         complete = True
+    except KeyboardInterrupt as e:
+        writer.close(complete=False)
+        raise UserError(interrupted_message(writer, e)) from None
     finally:
         writer.close(complete=complete)
         if getattr(recorder, "shadow", None) is not None:
             recorder.shadow.close()
     return Path(out)
+
+
+def interrupted_message(writer: CaptureWriter, e: BaseException) -> str:
+    """What an interrupted capture left: a new file incomplete, an existing one unchanged."""
+    what = f"interrupted ({e.args[0]})" if e.args else "interrupted"
+    if writer.replacing:
+        return (f"{what}: the new capture was discarded; {writer.path} is unchanged; re-run the "
+                f"capture to replace it")
+    return (f"{what}: {writer.path} is left incomplete ({writer.n_records} records); re-run the "
+            f"capture with --force to replace it")
 
 
 class _Ticker:
@@ -198,24 +252,28 @@ class _Ticker:
                      f"{records} records")
 
 
+def _shadow_source(opts: CaptureOptions):
+    """The opened --shadow reference (UserError when it cannot serve), or None."""
+    if not opts.shadow:
+        return None
+    from accucheck.capture.shadow import ShadowSource
+
+    return ShadowSource(opts.shadow)
+
+
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
-              opts: CaptureOptions) -> Recorder:
-    """The plain module recorder, or (level op / shadow) the op and shadow recorders."""
+              opts: CaptureOptions, source=None) -> Recorder:
+    """The plain module recorder, or (level op / shadow) the op and shadow recorders.
+    `source`: the opened --shadow reference (closed by the caller on failure)."""
     if opts.level == "module" and not opts.shadow:
         return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
                         graph=opts.mode == "graph")
     from accucheck.capture.ops import OpRecorder
-    from accucheck.capture.shadow import ShadowRecorder, ShadowSource
+    from accucheck.capture.shadow import ShadowRecorder
 
-    source = ShadowSource(opts.shadow) if opts.shadow else None
     cls = OpRecorder if opts.level == "op" else ShadowRecorder
-    try:
-        return cls(model, writer, modules, record_inputs=opts.record_inputs,
-                   graph=opts.mode == "graph", shadow=source)
-    except BaseException:
-        if source is not None:
-            source.close()
-        raise
+    return cls(model, writer, modules, record_inputs=opts.record_inputs,
+               graph=opts.mode == "graph", shadow=source)
 
 
 def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
@@ -223,12 +281,25 @@ def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def check_output_path(out: str | Path, force: bool) -> None:
-    p = Path(out)
-    if p.exists() and not force:
-        raise UserError(f"{p} exists: choose another -o or pass --force to overwrite it")
-    if not p.parent.exists():
-        raise UserError(f"output folder {p.parent} does not exist: create it first")
+def check_output_path(out: str | Path, force: bool, inputs: dict[str, str] | None = None) -> None:
+    """Before anything is created: `out` can be written (UserError, exit 3, otherwise) and is
+    none of `inputs` ({flag: path}; exit 2: an input is never an output)."""
+    check_not_input(out, inputs or {})
+    check_output_file(out, force)
+
+
+def _check_input(flag: str, path: str) -> None:
+    """A capture named by `flag` opens (complete) and, for --shadow, can serve as a shadow
+    reference: checked before any output is touched or the model is loaded."""
+    with open_capture(path) as r:
+        if flag != "--shadow":
+            return
+        if r.store_mode != "full":
+            raise UserError(f"--shadow {path}: it holds statistics only; the reference must be "
+                            f"captured with --store full --inputs")
+        if not any(row.key.role == "in" and row.has_data for row in r.rows):
+            raise UserError(f"--shadow {path}: it has no recorded inputs; capture the reference "
+                            f"with --store full --inputs")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -248,7 +319,7 @@ def _on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn
 
 def tokenize_prompts(prompts, tokenizer) -> list[list[int]]:
     if not prompts:
-        raise UserError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+        raise UserError.usage("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
     out = []
     for p in prompts:
         if isinstance(p, str):
@@ -298,6 +369,12 @@ def forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
 def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> tuple[str, str | object]:
     """(name recorded in meta, backend passed to torch.compile) for mode "graph"."""
     if opts.compile_backend:
+        from torch._dynamo import list_backends
+
+        known = sorted(set(list_backends(exclude_tags=())))
+        if opts.compile_backend not in known:
+            raise UserError(f"--compile-backend {opts.compile_backend}: torch.compile knows no "
+                            f"such backend here; use one of {', '.join(known)}")
         return opts.compile_backend, opts.compile_backend
     if spec.kind == "npu":  # Ascend's documented torch.compile backend is TorchAir's
         try:
@@ -351,25 +428,37 @@ def _config_dict(model: nn.Module) -> dict | None:
 class Interrupts:
     """SIGINT / SIGTERM during a capture end it like Ctrl-C: the file is closed, incomplete.
 
-    The handler raises KeyboardInterrupt and also remembers the signal, because Python drops
-    an exception raised while a finalizer (`__del__`, a GC callback: h5py and tqdm have them)
-    is running; `check()`, called at every step boundary, raises it again.
+    The handler only records the signal: raising from a handler can land anywhere, e.g. inside
+    a finalizer (`__del__`, a weakref callback of h5py or tqdm), where Python prints "Exception
+    ignored" and drops it. `check()`, called at every step boundary (and when the guarded block
+    ends), raises KeyboardInterrupt for it. A second signal raises at once: the way out of a
+    step that does not end.
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
 
     def _handler(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"{_signame(signum)} twice")
         self.signum = signum
-        raise KeyboardInterrupt(f"signal {signum}")
 
     def check(self) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt(f"signal {self.signum}")
+            raise KeyboardInterrupt(_signame(self.signum))
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 @contextmanager
 def interruptible() -> Iterator[Interrupts]:
+    """Install the recording handler for SIGINT and SIGTERM (main thread only), restore the old
+    handlers on exit; a signal recorded during the block interrupts it when it ends."""
     guard = Interrupts()
     old = {}
     try:
@@ -379,6 +468,7 @@ def interruptible() -> Iterator[Interrupts]:
         pass
     try:
         yield guard
+        guard.check()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -50,9 +50,9 @@ class DeviceSpec:
 def parse_device(text: str) -> DeviceSpec:
     m = re.fullmatch(r"(cpu|cuda|npu)(?::(\d+))?", text.strip())
     if not m:
-        raise UserError(f"unknown device {text!r}: use cpu, cuda, cuda:N, npu or npu:N")
+        raise UserError.usage(f"unknown device {text!r}: use cpu, cuda, cuda:N, npu or npu:N")
     if m.group(1) == "cpu" and m.group(2):
-        raise UserError("cpu takes no index: use --device cpu")
+        raise UserError.usage("cpu takes no index: use --device cpu")
     return DeviceSpec(m.group(1), int(m.group(2)) if m.group(2) else None)
 
 

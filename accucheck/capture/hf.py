@@ -5,6 +5,7 @@ Imports torch and transformers. Used by accucheck.capture.api; knows nothing abo
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from accucheck.errors import UserError
+from accucheck.errors import UserError, one_line
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -26,7 +27,7 @@ def parse_dtype(name: str) -> torch.dtype:
                "half": "float16", "double": "float64", "float": "float32"}
     name = aliases.get(name, name)
     if name not in DTYPES:
-        raise UserError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+        raise UserError.usage(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -37,36 +38,140 @@ def is_causal_lm(model: nn.Module) -> bool:
         and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device, *,
-                   trust_remote_code: bool = False, attn_implementation: str | None = None):
-    """(model, tokenizer) from a local directory; AutoModelForCausalLM when the config says it is
-    a causal LM, AutoModel otherwise (encoders such as BERT). Never downloads anything."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
+                   "vocab.json", "spiece.model", "sentencepiece.bpe.model")
 
+
+def check_model_dir(model_dir: str | Path, *, trust_remote_code: bool = False) -> dict:
+    """Check a local model directory before loading it (UserError, exit 3, naming what is
+    wrong): config.json is a JSON object; the weights are safetensors (never a pickle: loading
+    one runs code) and their headers are intact; a tokenizer is there. Returns the config."""
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist (give a local folder with "
                         f"config.json, or run `accucheck tiny-model DIR` for the built-in one)")
-    if not (path / "config.json").is_file():
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
         raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{cfg_file} cannot be read: {one_line(e, 160)}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{cfg_file} is a JSON {type(config).__name__}, not an object: not a "
+                        f"Hugging Face config")
+    if config.get("auto_map") and not trust_remote_code and not _known_model_type(config):
+        raise UserError(_custom_code(path))
+    _check_weights(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json): save "
+                        f"the model's tokenizer into it with tokenizer.save_pretrained(), or "
+                        f"capture token ids through the Python API (capture_model)")
+    return config
+
+
+def _check_weights(path: Path) -> None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                               .values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                AttributeError):
+            raise UserError(f"{index} is damaged (no weight_map): copy the model again") from None
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise UserError(f"{path} lacks {missing[0]} (named in model.safetensors.index.json"
+                            f"{f' with {len(missing) - 1} more' if len(missing) > 1 else ''}): "
+                            f"copy the model again")
+        shards = [path / f for f in files]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        pickles = sorted(p.name for pat in PICKLE_WEIGHTS for p in path.glob(pat))
+        if pickles:
+            raise UserError(
+                f"{path} has pickle weights only ({pickles[0]}): accucheck loads safetensors "
+                f"only (a pickle can run code when loaded); convert once where you trust the "
+                f"file: python -c \"from transformers import AutoModelForCausalLM as M; "
+                f"M.from_pretrained('{path}', use_safetensors=False).save_pretrained('{path}', "
+                f"safe_serialization=True)\"")
+        raise UserError(f"{path} has no weights (model.safetensors): copy the model again, or "
+                        f"run `accucheck tiny-model DIR` for the built-in one")
+    from safetensors import SafetensorError, safe_open
+
+    for f in shards:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f} is not a readable safetensors file ({one_line(e, 120)}): "
+                            f"truncated or damaged; copy the model again") from None
+
+
+def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device, *,
+                   trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """(model, tokenizer) from a local directory; AutoModelForCausalLM when the config says it is
+    a causal LM, AutoModel otherwise (encoders such as BERT). Never downloads anything, loads
+    safetensors only (see `check_model_dir`), shows no progress bars."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path = Path(model_dir)
+    check_model_dir(path, trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True,
                                             trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}/config.json cannot be read: {str(e).splitlines()[0]}") from None
+    except (ValueError, OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise UserError(_load_error(path, "config.json cannot be read", e,
+                                    trust_remote_code)) from None
     archs = getattr(config, "architectures", None) or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     cls = AutoModelForCausalLM if causal else AutoModel
-    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype)
+    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype,
+                  use_safetensors=True)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(_load_error(path, "cannot load the model", e,
+                                    trust_remote_code)) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                   trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(_load_error(path, "cannot load the tokenizer", e,
+                                    trust_remote_code)) from None
     return model.to(device).eval(), tokenizer
+
+
+def _known_model_type(config: dict) -> bool:
+    """Whether transformers has its own code for this config's model_type (then an auto_map
+    is not needed to load it)."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return True
+    return config.get("model_type") in CONFIG_MAPPING
+
+
+def _custom_code(path: Path) -> str:
+    return (f"{path} contains custom model code (auto_map in config.json) that runs only with "
+            f"--trust-remote-code: pass --trust-remote-code if you trust the code in {path}")
+
+
+def _load_error(path: Path, what: str, e: BaseException, trust_remote_code: bool) -> str:
+    text = str(e)
+    if not trust_remote_code and ("trust_remote_code" in text or "custom code" in text):
+        return _custom_code(path)
+    return f"{what} in {path}: {one_line(text, 240)}"
 
 
 def config_hash(model: nn.Module) -> str | None:
@@ -107,19 +212,52 @@ def greedy_run(forward: Callable, prompt_ids: Sequence[int], device: torch.devic
     last logits. `on_step(step)` is called before and `on_logits(logits)` after each forward."""
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     generated: list[int] = []
+    cache_arg = cache_argument(forward) if causal else None
     with torch.no_grad():
         on_step(0)
         out = forward(input_ids=ids, use_cache=causal) if causal else forward(input_ids=ids)
         logits = getattr(out, "logits", None) if causal else None
         on_logits(logits)
-        past = getattr(out, "past_key_values", None)
+        past = _cache_of(out) if causal else None
         for k in range(1, max_new_tokens + 1 if causal else 1):
             nxt = int(forced[k - 1]) if forced is not None else int(logits[0, -1].argmax())
             generated.append(nxt)
             on_step(k)
             out = forward(input_ids=torch.tensor([[nxt]], dtype=torch.long, device=device),
-                          past_key_values=past, use_cache=True)
+                          use_cache=True, **{cache_arg: past})
             logits = out.logits
             on_logits(logits)
-            past = out.past_key_values
+            past = _cache_of(out)
     return Generation(list(prompt_ids), generated)
+
+
+def cache_argument(forward: Callable) -> str:
+    """The name under which this model's forward takes the KV cache: `past_key_values` in
+    transformers 4.45 ... 5.x; should a release rename it (deprecating the old name with a
+    FutureWarning), the parameter annotated with a Cache type, so that no deprecated argument
+    is ever passed."""
+    fn = getattr(getattr(forward, "_orig_mod", forward), "forward", forward)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    if "past_key_values" in params:
+        return "past_key_values"
+    for name, prm in params.items():
+        ann = prm.annotation if isinstance(prm.annotation, str) else \
+            getattr(prm.annotation, "__name__", str(prm.annotation))
+        if "Cache" in str(ann) or name in ("cache", "kv_cache", "past_key_value"):
+            return name
+    return "past_key_values"
+
+
+def _cache_of(out) -> object | None:
+    """The KV cache a forward returned (`past_key_values`, or whichever output field holds a
+    transformers Cache)."""
+    past = getattr(out, "past_key_values", None)
+    if past is not None or not hasattr(out, "items"):
+        return past
+    for _, v in out.items():
+        if type(v).__name__.endswith("Cache"):
+            return v
+    return None

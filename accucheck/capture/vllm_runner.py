@@ -67,7 +67,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     `deterministic` (unless set). Returns `out`.
     """
     engine_kwargs = dict(engine_kwargs or {})
-    check_output_path(out, opts.force)
+    check_output_path(out, opts.force, opts.inputs())
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
