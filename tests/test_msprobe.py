@@ -469,6 +469,10 @@ def test_tensor_mode_reads_only_plain_tensors(tmp_path):
     with pytest.raises(UserError, match="weights_only=True"):
         import_msprobe(d, tmp_path / "trunc.h5")
     assert not (tmp_path / "trunc.h5").exists()  # no half-written capture left behind
+    before = (tmp_path / "full.h5").read_bytes()
+    with pytest.raises(UserError, match="weights_only=True"):
+        import_msprobe(d, tmp_path / "full.h5", force=True)
+    assert (tmp_path / "full.h5").read_bytes() == before  # a failed --force keeps the old one
     torch.save(torch.zeros(3, 3), out)
     with pytest.raises(UserError, match="dump.json says float32 \\[2, 5\\]"):
         import_msprobe(d, tmp_path / "shape.h5")

@@ -669,8 +669,11 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
         skipped = {k: v for k, v in sorted(counts.skipped.items()) if v}
         w.update_meta(msprobe=dict(meta["msprobe"], records=n_written, skipped=skipped))
     except BaseException:
+        # replacing a file (--force): the writer discards the new one and the old one stays;
+        # else the file is this import's own, half written: removed
         w.close(complete=False)
-        out.unlink(missing_ok=True)
+        if not getattr(w, "replacing", False):
+            out.unlink(missing_ok=True)
         raise
     w.close(complete=True)
     return ImportResult(out, store, n_written, tuple(sorted(by_step)), chosen, dominant,
