@@ -222,6 +222,25 @@ def test_accumulator_equals_the_pure_functions_across_blocks():
     assert m.max_ulp == M.max_ulp(a, b, "float64")
 
 
+def test_accumulator_thresholds_are_strict_and_zero_over_zero_counts_as_agreeing():
+    # relative error exactly 1e-3 / 5e-3 is not below it (as frac_rel_below)
+    a, b = np.array([1000.0, 1000.0, 1.0]), np.array([1001.0, 1005.0, 1.0])
+    m = M.tensor_metrics(a, b, "float64", "float64")
+    assert (m.frac_rel_lt_1e3, m.frac_rel_lt_5e3) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert m.frac_rel_lt_1e3 == pytest.approx(M.frac_rel_below(a, b, 1e-3))
+    # 0 vs 0 is no error (rel 0), whatever else the chunk holds; x vs 0 is an infinite one
+    a, b = np.array([0.0, 0.0, 1.0, 0.0]), np.array([0.0, 0.0, 2.0, 1e-3])
+    m = M.tensor_metrics(a, b, "float64", "float64")
+    assert (m.frac_rel_lt_1e3, m.frac_rel_lt_5e3) == (0.5, 0.5)
+    assert m.max_rel == math.inf and M.max_rel(a, b) == math.inf
+    assert M.frac_rel_below(a, b, 1e-3) == 0.5
+    # the elementwise check: |ref - cand| <= atol + rtol * |ref| is within (at the limit too)
+    a, b = np.array([1.0, 2.0, 4.0, 4.0]), np.array([1.5, 2.75, 4.0, 6.5])
+    m = M.tensor_metrics(a, b, "float64", "float64", rtol=0.25, atol=0.25)
+    assert m.mismatched == 1                   # 0.5 <= 0.5, 0.75 <= 0.75, 0 ok, 2.5 > 1.25
+    assert M.tensor_metrics(a, b, "float64", "float64", rtol=0.0, atol=0.5).mismatched == 2
+
+
 def test_accumulator_contract():
     with pytest.raises(ValueError, match="together"):
         M.MetricAccumulator("float32", "float32", rtol=1e-3)
