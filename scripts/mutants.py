@@ -453,18 +453,26 @@ def run_pytest(work: Path, tests: list[str], marker: str | None, timeout: float
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # pytest and whatever it started
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         out, _ = proc.communicate()
         return "timeout", time.monotonic() - t0, (out or "")[-2000:]
+    except BaseException:  # interrupted: never leave this pytest running
+        _kill_group(proc)
+        proc.communicate()
+        raise
     dt = time.monotonic() - t0
     rc = proc.returncode
     status = {0: "survived", 1: "killed", 2: "killed", 3: "killed"}.get(rc, "error")
     if rc < 0 or rc == 5 or rc == 4:
         status = "error"
     return status, dt, out[-2000:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and whatever it started (its own session)
+    except ProcessLookupError:
+        pass
 
 
 def tests_for(file: str, root: Path, override: list[str] | None) -> list[str]:
@@ -495,7 +503,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="only mutants on this line (repeatable)")
     p.add_argument("--changed", metavar="REF", default=None,
                    help="only mutants on lines changed since this git ref (working tree)")
-    p.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    p.add_argument("--json", dest="json_out", default=None,
+                   help="write the results here (rewritten after every mutant)")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="an earlier --json: its killed / timeout mutants (same file, line, "
+                        "mutation and text) are carried over, not rerun (tests only get added, "
+                        "so a killed mutant stays killed); the rest run")
     p.add_argument("--repo", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--package", default="accucheck",
                    help="package whose import must resolve into the copy ('' to skip)")
@@ -536,11 +549,19 @@ def main(argv: list[str] | None = None) -> int:
         print("mutants: nothing to run")
         return 0
 
+    carried: dict[tuple, dict] = {}
+    if args.resume:
+        for r in json.loads(Path(args.resume).read_text()):
+            if r.get("status") in ("killed", "timeout"):
+                carried[(r["file"], r["line"], r["what"], r["new"])] = r
     files = repo_files(root)
     works = [make_copy(root, files) for _ in range(max(1, args.jobs))]
     pool_lock = threading.Lock()
     free = list(works)
     outcomes: list[Outcome] = []
+    # a SIGTERM (or a closed terminal) still removes the copies and keeps the --json so far
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_hup = signal.signal(signal.SIGHUP, _interrupt)
     try:
         check_copy(works[0], args.package)
         by_file: dict[str, list[Mutant]] = {}
@@ -567,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
                 eq = equivalent_reason(m)
                 if eq:
                     return Outcome(m, "equivalent", 0.0, eq)
+                prev = carried.get((m.file, m.line, m.what, m.new))
+                if prev is not None:
+                    return Outcome(m, prev["status"], 0.0, f"carried from {args.resume}")
                 with pool_lock:
                     work = free.pop()
                 target = work / m.file
@@ -585,13 +609,33 @@ def main(argv: list[str] | None = None) -> int:
                 for o in ex.map(one, ms):
                     done += 1
                     outcomes.append(o)
+                    how = "carried" if o.detail.startswith("carried") else f"{o.seconds:.1f} s"
                     print(f"[{done:3d}/{len(ms)}] {o.status:10s} {o.mutant.where:30s} "
-                          f"{o.mutant.what}  ({o.seconds:.1f} s)", flush=True)
+                          f"{o.mutant.what}  ({how})", flush=True)
+                    if args.json_out:
+                        write_json(outcomes, args.json_out)
+    except KeyboardInterrupt:
+        print("\nmutants: interrupted; the summary covers the mutants run so far", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGHUP, old_hup)
         for w in works:
             shutil.rmtree(w, ignore_errors=True)
 
     return report(outcomes, args.json_out)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def write_json(outcomes: list[Outcome], path: str) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(
+        [{"file": o.mutant.file, "line": o.mutant.line, "what": o.mutant.what,
+          "status": o.status, "seconds": round(o.seconds, 2), "old": o.mutant.old,
+          "new": o.mutant.new, "detail": o.detail} for o in outcomes], indent=1))
+    tmp.replace(path)
 
 
 def report(outcomes: list[Outcome], json_out: str | None) -> int:
@@ -622,11 +666,11 @@ def report(outcomes: list[Outcome], json_out: str | None) -> int:
         print(f"  {f:28s} {len(sts):4d} mutants: killed {c['killed']}, timeout {c['timeout']}, "
               f"survived {c['survived']}, error {c['error']}, equivalent {c['equivalent']}"
               f"  -> kill rate {rate:.1%}")
+    n_carried = sum(o.detail.startswith("carried") for o in outcomes)
+    if n_carried:
+        print(f"  ({n_carried} killed / timeout results carried from the --resume file)")
     if json_out:
-        Path(json_out).write_text(json.dumps(
-            [{"file": o.mutant.file, "line": o.mutant.line, "what": o.mutant.what,
-              "status": o.status, "seconds": round(o.seconds, 2), "old": o.mutant.old,
-              "new": o.mutant.new, "detail": o.detail} for o in outcomes], indent=1))
+        write_json(outcomes, json_out)
     return 0
 
 

@@ -65,6 +65,12 @@ def test_one_killed_one_survived_repo_untouched(mutants, toy, capsys):
     assert "toy.py:2  compare: > -> >=" in text and "+     return (x >= limit)" in text
     assert "killed 2, timeout 0, survived 1" in text and "kill rate 66.7%" in text
     assert (toy / "toy.py").read_text() == TOY  # mutants ran on a copy
+    # --resume: the killed ones are carried over, the survivor runs again
+    rc = mutants.main(["--repo", str(toy), "--modules", "toy.py", "--tests", "tests/test_toy.py",
+                       "--package", "toy", "--only", "toy.py:2", "--resume", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and text.count("(carried)") == 2 and "survived   toy.py:2" in text
+    assert "killed 2, timeout 0, survived 1" in text and "2 killed / timeout results carried" in text
 
 
 def test_changed_selects_only_lines_changed_since_a_ref(mutants, toy, capsys):
