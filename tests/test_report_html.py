@@ -42,7 +42,7 @@ def report(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("html") / "report"
     res = signoff(ROOT / "scenarios/tiny-planted-fault.toml", out_dir=out)
-    assert not res and res.culprit == "model.layers.2.post_attention_layernorm"
+    assert not res.passed and res.culprit == "model.layers.2.post_attention_layernorm#0"
     return out
 
 
