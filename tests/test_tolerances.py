@@ -12,7 +12,9 @@ from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
 from accucheck.metrics import tensor_metrics
 from accucheck.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
-                                  Tolerance, ToleranceTable, loosest_dtype, parse_override)
+                                  NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
+                                  NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
+                                  ToleranceTable, loosest_dtype, parse_override)
 
 K = RecordKey.parse("r0.s1:model.layers.3.mlp#0:out.0")
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +31,21 @@ def _documented() -> dict:
     doc = " ".join((ROOT / "docs" / "diff-json.md").read_text(encoding="utf-8").split())
     g = re.search(r"multiplier ([0-9.]+) for fp32/fp64 pairs, ([0-9.]+) for 16-bit", doc)
     assert g, "docs/diff-json.md no longer states the golden multipliers"
+    g2 = re.search(r"RMSE ratio above x([0-9.]+) for float32, x([0-9.]+) for 16-bit runs, plus "
+                   r"a floor of a tenth of the tolerance", readme)
+    assert g2, "README no longer states the golden multipliers"
+    assert g2.groups() == g.groups(), "README and docs/diff-json.md disagree"
+    nf = re.search(r"more than ([0-9.]+)x and more than ([0-9.]+)x the median of the same module "
+                   r"in the layers within ([0-9]+) of it \(same request and step, at least "
+                   r"([0-9]+) of them\), with a local error above ([0-9.]+) % of its tolerance",
+                   readme)
+    assert nf, "README no longer states the noise-floor rule"
+    assert float(nf.group(1)) == float(amp.group(1))
     return {"float32": float(m.group(1)), "float16": float(m.group(2)),
             "bfloat16": float(m.group(3)), "amplification": float(amp.group(1)),
-            "golden_32": float(g.group(1)), "golden_16": float(g.group(2))}
+            "golden_32": float(g.group(1)), "golden_16": float(g.group(2)),
+            "noise_factor": float(nf.group(2)), "noise_window": int(nf.group(3)),
+            "noise_min_peers": int(nf.group(4)), "noise_min_fraction": float(nf.group(5)) / 100}
 
 
 DOC = _documented()
@@ -39,7 +53,11 @@ DOC = _documented()
 
 def test_documented_constants_are_the_code_constants():
     assert DOC == {"float32": 5e-5, "float16": 1e-2, "bfloat16": 5e-2, "amplification": 4.0,
-                   "golden_32": 2.0, "golden_16": 3.0}
+                   "golden_32": 2.0, "golden_16": 3.0, "noise_factor": 5.0, "noise_window": 4,
+                   "noise_min_peers": 3, "noise_min_fraction": 0.05}
+    assert (NOISE_FLOOR_FACTOR, NOISE_FLOOR_WINDOW, NOISE_FLOOR_MIN_PEERS) == \
+        (DOC["noise_factor"], DOC["noise_window"], DOC["noise_min_peers"])
+    assert NOISE_FLOOR_MIN_FRACTION == pytest.approx(DOC["noise_min_fraction"], rel=1e-12)
     for d in ("float32", "float16", "bfloat16"):
         assert DEFAULT_REL_L2[d] == DOC[d], d
         assert ToleranceTable().for_record(K, (d, d)).rel_l2 == DOC[d], d
@@ -99,6 +117,70 @@ def test_overrides_last_match_wins_and_match_module_site_or_key():
     assert t.for_record(RecordKey.parse("r0.s0:model.norm#0:out.0"), ("float32",)).source == \
         "default float32"
     assert ToleranceTable.from_options(rel_l2=1e-3).for_record(K, ("bfloat16",)).rel_l2 == 1e-3
+
+
+def test_override_patterns_match_key_site_or_module_each_alone():
+    t = ToleranceTable.from_options(overrides=["r0.s1:model.layers.3.mlp#0:out.0=1e-1",
+                                               "model.layers.3.mlp#0:out.0=2e-1",
+                                               "model.layers.3.mlp=3e-1"])
+    # each pattern matches exactly one of the three forms; the last matching one wins
+    assert t.for_record(K, ("float32",)).rel_l2 == 3e-1
+    for spec, want in (("r0.s1:model.layers.3.mlp#0:out.0=1e-1", 1e-1),   # full key only
+                       ("model.layers.3.mlp#0:out.0=2e-1", 2e-1),         # site only
+                       ("model.layers.3.mlp=3e-1", 3e-1)):                # module only
+        tol = ToleranceTable.from_options(overrides=[spec]).for_record(K, ("float32",))
+        assert (tol.rel_l2, tol.source) == (want, f"override {spec.rsplit('=', 1)[0]}")
+    other = RecordKey.parse("r0.s0:model.layers.3.mlp#1:out.0")
+    tol = ToleranceTable.from_options(overrides=["model.layers.3.mlp#0:out.0=2e-1"]).for_record(
+        other, ("float32",))
+    assert tol.source == "default float32"
+    # overrides are case-sensitive
+    assert ToleranceTable.from_options(overrides=["*.MLP=1e-1"]).for_record(
+        K, ("float32",)).source == "default float32"
+
+
+def test_override_fields_and_inheritance():
+    base_t = ToleranceTable.from_options(rtol=1e-3, atol=1e-5,
+                                         overrides=["*.mlp=2e-2", "*.norm=rtol:1e-2,atol:0",
+                                                    "logits=rel_l2 : 1e-1 , rtol:0,atol:1"])
+    mlp = base_t.for_record(K, ("float32",))
+    assert (mlp.rel_l2, mlp.rtol, mlp.atol) == (2e-2, 1e-3, 1e-5)   # rtol/atol inherited
+    norm = base_t.for_record(RecordKey.parse("r0.s0:model.norm#0:out.0"), ("float32",))
+    assert (norm.rel_l2, norm.rtol, norm.atol) == (1e300, 1e-2, 0.0)  # elementwise only
+    lg = base_t.for_record(RecordKey.parse("r0.s0:logits#0:out.0"), ("float32",))
+    assert (lg.rel_l2, lg.rtol, lg.atol, lg.source) == (1e-1, 0.0, 1.0, "override logits")
+    dflt = base_t.for_record(RecordKey.parse("r0.s0:model.embed_tokens#0:out.0"), ("float32",))
+    assert (dflt.rel_l2, dflt.rtol, dflt.atol) == (DOC["float32"], 1e-3, 1e-5)
+    assert parse_override("x=0", None)[1].rel_l2 == 0.0    # 0 is a limit (exact), not "unset"
+    pat, tol = parse_override("a=b=1e-3")   # the LAST '=' splits
+    assert (pat, tol.rel_l2) == ("a=b", 1e-3)
+    d = base_t.as_dict()
+    assert d["rtol"] == 1e-3 and d["atol"] == 1e-5
+    assert d["rel_l2_by_dtype"]["float32"] == DOC["float32"]
+    assert d["overrides"][0] == {"pattern": "*.mlp", "rel_l2": 2e-2, "rtol": 1e-3,
+                                 "atol": 1e-5, "source": "override *.mlp"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(rel_l2=-1e-3), dict(rel_l2=float("nan")),
+                                    dict(rel_l2=float("inf")), dict(rel_l2=1e-3, rtol=-1.0,
+                                                                    atol=0.0),
+                                    dict(rel_l2=1e-3, rtol=0.0, atol=float("inf"))])
+def test_tolerance_values_must_be_finite_and_non_negative(kwargs):
+    with pytest.raises(UserError) as e:
+        Tolerance(**kwargs)
+    assert e.value.exit_code == EXIT_USAGE and "must be a finite number >= 0" in str(e.value)
+
+
+def test_within_at_the_limit():
+    a = np.linspace(1, 2, 1000)
+    m = tensor_metrics(a, a * (1 + 1e-5))
+    assert Tolerance(m.rel_l2).within(m) and not Tolerance(m.rel_l2 * 0.999).within(m)
+    assert Tolerance(0.0).within(tensor_metrics(a, a))   # zero tolerance, identical: within
+    # elementwise: within when no element is outside atol + rtol |ref|
+    m2 = tensor_metrics(a, a * (1 + 1e-5), rtol=2e-5, atol=0.0)
+    assert m2.mismatched == 0 and Tolerance(1e-4, rtol=2e-5, atol=0.0).within(m2)
+    with pytest.raises(UserError):
+        ToleranceTable(rtol=1e-3)
 
 
 @pytest.mark.parametrize("kwargs", [dict(rtol=1e-3), dict(atol=1e-5)])
