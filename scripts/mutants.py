@@ -67,7 +67,8 @@ TESTS: dict[str, tuple[str, ...]] = {
                             "tests/test_cli_diff.py"),
     "accucheck/culprit.py": ("tests/test_locate.py", "tests/test_report.py", "tests/test_ops.py",
                              "tests/test_shadow.py"),
-    "accucheck/signoff.py": ("tests/test_signoff.py", "tests/test_signoff_rules.py"),
+    "accucheck/signoff.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
+                             "tests/test_scenario.py"),
     "accucheck/report.py": ("tests/test_report.py", "tests/test_cli_diff.py",
                             "tests/test_readme.py"),
 }
