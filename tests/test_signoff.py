@@ -69,7 +69,9 @@ def test_identical_runs_pass(identical):
     assert doc["schema"] == "accucheck.signoff" and doc["schema_version"] == 1
     assert doc["verdict"] == "pass" and doc["exit_code"] == 0 and doc["failed_checks"] == []
     assert doc["runs"]["reference"]["capture"] == "captures/reference.h5"
-    assert doc["runs"]["golden"] is None and doc["first_divergence"] is None
+    # no [golden] table: the default float64 CPU referee was captured and judged
+    assert doc["runs"]["golden"]["label"] == "cpu float64 eager (hf)"
+    assert doc["first_divergence"] is None
     for name in ("report.md", "report.html", "diff.json", "captures/candidate.h5",
                  *doc["files"]["plots"]):
         assert (out / name).is_file(), name
@@ -85,7 +87,7 @@ def test_identical_runs_pass(identical):
 @pytest.mark.slow
 def test_planted_fault_fails_with_culprit_named(fault):
     res, out, _ = fault
-    assert not res and res.exit_code == 1 and res.culprit == CULPRIT
+    assert not res.passed and res.exit_code == 1 and res.culprit == f"{CULPRIT}#0"
     assert res.summary.startswith("FAIL: tiny-planted-fault")
     assert CULPRIT in res.summary and "introduced" in res.summary
     assert "golden: cand worse" in res.summary
@@ -93,7 +95,7 @@ def test_planted_fault_fails_with_culprit_named(fault):
     assert {"records", "layer_rel_l2", "logits_kl"} <= failed
     assert "token_agreement" not in failed  # the fault is small: tokens still agree
     doc = _json(out)
-    assert doc["verdict"] == "fail" and doc["exit_code"] == 1 and doc["culprit"] == CULPRIT
+    assert doc["verdict"] == "fail" and doc["exit_code"] == 1 and doc["culprit"] == f"{CULPRIT}#0"
     fd = doc["first_divergence"]
     assert fd["module"] == CULPRIT and fd["step"] == 0 and fd["cause"] == "introduced"
     assert fd["golden"] == "cand worse"
@@ -185,7 +187,7 @@ def test_cli_reuses_given_captures_and_refuses_a_full_report_dir(fault, tmp_path
     assert cap.out.startswith("FAIL: tiny-planted-fault") and CULPRIT in cap.out
     assert "signoff: diff" in cap.err and "report:" in cap.err
     assert not (out / "captures").exists()  # nothing was captured: the given files were used
-    assert _json(out)["culprit"] == CULPRIT
+    assert _json(out)["culprit"] == f"{CULPRIT}#0"
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == EXIT_BAD_INPUT
@@ -232,7 +234,8 @@ def test_judging_given_captures_needs_no_torch(identical, tmp_path):
     res, _, _ = identical
     code = (f"import sys\nfrom accucheck.signoff import signoff\n"
             f"r = signoff({str(SCN / 'tiny-identical.toml')!r}, ref={res.ref_path!r}, "
-            f"cand={res.cand_path!r}, out_dir={str(tmp_path / 'o')!r})\n"
+            f"cand={res.cand_path!r}, golden={res.golden_path!r}, "
+            f"out_dir={str(tmp_path / 'o')!r})\n"
             f"assert r.passed\n"
             f"bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             f"assert not bad, bad\n")
