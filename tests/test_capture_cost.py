@@ -4,6 +4,7 @@ reduced (and stored) once; in-place changes after a hook do not reach the statis
 from __future__ import annotations
 
 import collections
+import json
 
 import h5py
 import numpy as np
@@ -254,3 +255,38 @@ def test_statistics_are_taken_before_later_in_place_changes(tmp_path, kernel, st
         assert row.stats.l2 == pytest.approx(before.norm().item(), rel=1e-6)
         if store == "full":
             np.testing.assert_array_equal(r.read(row.key), before.numpy())
+
+
+# -- weights once per capture ------------------------------------------------------------
+def test_op_inputs_store_each_weight_once(tiny, tmp_path):
+    """--level op --inputs: a weight is an op input at every call (mm's transposed weight, the
+    embedding table, norm weights); its records name it and share one dataset, so the file is
+    the activations plus one copy of the touched weights (plus the index)."""
+    from accucheck.capture.api import capture_model
+
+    model, tok = tiny
+    path = tmp_path / "op.h5"
+    capture_model(model, ["The quick brown fox jumps"], path, tokenizer=tok, store="full",
+                  level="op", record_inputs=True, max_new_tokens=2)
+    params = dict(model.named_parameters())
+    with open_capture(path) as r:
+        rows = r.rows
+    by_weight = collections.defaultdict(set)
+    for row in rows:
+        name = json.loads(row.extra).get("weight") if row.extra else None
+        if name:
+            assert row.key.role == "in" and row.has_data
+            by_weight[name].add(row.data)
+    calls = collections.Counter(json.loads(row.extra)["weight"] for row in rows
+                                if row.extra and '"weight"' in row.extra)
+    assert calls["model.layers.0.self_attn.q_proj.weight"] == 3  # one mm per step
+    assert set(by_weight) >= {n for n in params if "layers.0" in n}
+    assert all(len(v) == 1 for v in by_weight.values()), by_weight
+    weight_data = set().union(*by_weight.values())
+    weights = sum(t.numel() * 4 for n, t in params.items() if n in by_weight)
+    activations = sum(int(np.prod(row.shape)) * 4 for row in rows
+                      if row.has_data and row.data not in weight_data)
+    assert path.stat().st_size <= activations + weights + 1024 * len(rows), (
+        path.stat().st_size, activations, weights, len(rows))
+    with h5py.File(path) as f:  # no dataset stored twice
+        assert len(f["tensors"]) == len({row.data for row in rows if row.has_data})

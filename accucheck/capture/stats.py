@@ -482,3 +482,34 @@ def tensor_rows(tensors: Sequence[torch.Tensor], **kw) -> np.ndarray:
     for t in tensors:
         eng.add(t)
     return eng.compute()[0]
+
+
+WEIGHT_SAMPLES = 8  # values per weight in a capture's meta "weights" (every 8th statistics sample)
+_CASTS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_table(model: torch.nn.Module) -> dict:
+    """The capture's meta "weights": for every parameter and buffer (tied ones once, under
+    their first name) {"dtype", "shape", "checksum": the bit-pattern sum mod 2**52 (exact, like
+    a record's), "cast": {"bfloat16": ..., "float16": ...} the checksums of the weight cast to
+    those dtypes (float weights of another dtype; how a float32 and a bfloat16 copy of one
+    checkpoint are compared exactly), "sample": WEIGHT_SAMPLES values at fixed flat positions
+    (null past the end and for NaN / Inf)}. A few statistics passes per weight, once per
+    capture. accucheck.weights compares two tables by name: a candidate that runs other
+    weights than the reference is said so by `diff`."""
+    eng = StepStats()
+    out: dict[str, dict] = {}
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            if t.numel() == 0:
+                continue
+            raw = eng.now(t)
+            sample = raw[8::SAMPLE_SIZE // WEIGHT_SAMPLES][:WEIGHT_SAMPLES]
+            entry = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                     "checksum": int(raw[7]),
+                     "sample": [float(v) if np.isfinite(v) else None for v in sample]}
+            if t.is_floating_point():
+                entry["cast"] = {k: int(raw[7]) if t.dtype == dt else int(eng.now(t.to(dt))[7])
+                                 for k, dt in _CASTS.items()}
+            out[name] = entry
+    return out
