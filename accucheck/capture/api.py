@@ -24,7 +24,6 @@ from accucheck.capture import device as dev
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.recorder import Recorder, select_modules
-from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
 from accucheck.store import CaptureWriter, open_capture
@@ -171,8 +170,6 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                   "config": _config_dict(model),
                   "attn_implementation": getattr(getattr(model, "config", None),
                                                  "_attn_implementation", None)},
-        "weights": weight_table(model),  # per weight: checksum + samples (accucheck.weights)
-        "stats_kernel": kernel_status(),
         "modules": modules,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
