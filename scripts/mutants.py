@@ -77,6 +77,11 @@ TESTS: dict[str, tuple[str, ...]] = {
 # no input can tell from the original (or only inputs outside any meaningful domain, said so).
 # Listed in the report, never run, not counted in the kill rate. Keep it short and honest: a
 # mutant that a test could kill does not belong here.
+def _exact(*lines: str) -> str:
+    """A regex matching a mutated line that is exactly one of `lines` (indentation aside)."""
+    return r"^\s*(" + "|".join(re.escape(ln) for ln in lines) + r")$"
+
+
 _RANK = ("DTYPE_EPS only ranks dtypes (coarser_dtype, loosest_dtype, membership): this x2 or /2"
          " keeps every dtype's rank (the ones that would create a tie are tested)")
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
@@ -90,6 +95,9 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
     ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the first "
      "|difference| (>= 0) replaces any negative value, and result() clamps at 0"),
+    ("accucheck/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "
+     "path counts the same (rel 0 < 1e-3, 0/0 as agreeing, no mismatch, 0 ULP)",
+     r"if d\[j\] == 0\.0:  # identical chunk"),
     ("accucheck/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
      "from range(0, size, _BLOCK))", r"if not a\.size:\n\s*return$"),
     ("accucheck/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
@@ -97,6 +105,29 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
      "6.0 aligns every pair of sequences identically, 1.5 too except at an exact tie"),
     ("accucheck/opmatch.py", r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
      "|la - lb| / max(la, lb) <= 1 for l2 norms (>= 0): the cap at 1.0 never binds"),
+    ("accucheck/opmatch.py", _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
+                                    "if (math.isfinite(la) or math.isfinite(lb)):"),
+     "a non-finite l2 makes the data term 1 - min(1.0, nan) = 0, the same as skipping it"),
+    ("accucheck/opmatch.py", _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
+                                    "pass"),
+     "a fast path: with an empty side the DP and the fused-region pass find nothing either",
+     r"if not n or not m:$"),
+    ("accucheck/opmatch.py", r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
+     r"\(m \+ 1\) for _ in range\(\(?n \+ 2\)?\))", "the DP's border row and column: a uniform "
+     "shift of every cell (1.0) or a row / column the loops never read (n + 2, m + 2)"),
+    ("accucheck/opmatch.py", _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
+     "which of two equal values is kept does not change the maximum"),
+    ("accucheck/opmatch.py", _exact("if (Sp[j - 1] + s > best):",
+                                    "if s != (math.inf) and Sp[j - 1] + s > best:",
+                                    "if s != -math.inf and (Sp[j - 1] + s >= best):"),
+     "s = -inf never beats a finite best; taking an equal value keeps the same maximum"),
+    ("accucheck/opmatch.py", r"while i:$", "with j = 0 the border column (0.0) never equals a "
+     "pair score (>= 3) and i just counts down: no pair is added"),
+    ("accucheck/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
+                                    "if s != (math.inf) and S[i][j] == S[i - 1][j - 1] + s:"),
+     "a -inf score never makes a finite cell equal"),
+    ("accucheck/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
+     "switch moves by one cell (tested at its boundary with a small MAX_DP)"),
     ("accucheck/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
      "the division guard differs only for l2 norms below 2e-30 (all-zero tensors give 0 / guard"
      " = 0 either way)"),
