@@ -18,12 +18,13 @@ f-strings, annotations, `assert` or `raise` statements is mutated.
 
 The repository is never touched: the tracked and untracked-but-not-ignored files are copied as
 they are in the working tree (uncommitted edits included) to a temporary directory per job, and
-the covering tests (TESTS below, or --tests) run there with `python -m pytest -x -q` and
-PYTHONPATH pointing at the copy (checked before anything runs). The unmutated tests run first
-(baseline): a module whose tests already fail is reported and skipped. Then each mutant is
-written into the copy, the tests run with a timeout (default: 3x the baseline, at least 60 s),
-and the file is restored. Result per mutant: killed (tests failed), survived (tests passed: a
-bug the suite lets through), timeout (counted as detected), error (pytest could not run).
+the covering tests (TESTS below, or --tests) run there with `python -m pytest -x -q`, one test
+file after the other, stopping at the first that fails, with PYTHONPATH pointing at the copy
+(checked before anything runs). The unmutated tests run first (baseline): a module whose tests
+already fail is reported and skipped. Then each mutant is written into the copy, the tests run
+with a timeout per file (default: 3x its baseline, at least 60 s), and the file is restored.
+Result per mutant: killed (tests failed), survived (tests passed: a bug the suite lets
+through), timeout (counted as detected), error (pytest could not run).
 
 Known-equivalent mutants (EQUIVALENT below: no input can tell them apart) are listed as such
 and not run. The kill rate is (killed + timeout) / (killed + timeout + survived).
@@ -500,6 +501,22 @@ def run_pytest(work: Path, tests: list[str], marker: str | None, timeout: float
     return status, dt, out[-2000:]
 
 
+def run_staged(work: Path, tests: list[str], marker: str | None, timeouts: list[float]
+               ) -> tuple[str, float, str]:
+    """The test files one pytest run each, in order, stopping at the first that fails: a
+    mutant the first (fast) file kills never pays for collecting the others (collection alone
+    imports torch for some)."""
+    total, out = 0.0, ""
+    for t, limit in zip(tests, timeouts):
+        status, dt, out = run_pytest(work, [t], marker, limit)
+        total += dt
+        if status == "error" and "no tests ran" in out:  # nothing selected in this file (-m)
+            continue
+        if status != "survived":
+            return status, total, out
+    return "survived", total, out
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and whatever it started (its own session)
@@ -529,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max", type=int, default=None, help="run at most N mutants")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one copy each)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per mutant (default: 3x the baseline run, at least 60)")
+                   help="seconds per test file and mutant (default: 3x its baseline run, at "
+                        "least 60)")
     p.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     p.add_argument("--only", action="append", default=[], metavar="FILE:LINE",
                    help="only mutants on this line (repeatable)")
@@ -605,16 +623,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{f}: no test files to run (give --tests); {len(ms)} mutants not run")
                 outcomes += [Outcome(m, "error", 0.0, "no tests") for m in ms]
                 continue
-            status, base_s, tail = run_pytest(works[0], tests, args.marker, 3600)
+            base: list[float] = []
+            for t in tests:
+                status, dt, tail = run_pytest(works[0], [t], args.marker, 3600)
+                if status == "error" and "no tests ran" in tail:
+                    status = "survived"  # nothing selected in this file (-m): fine
+                if status != "survived":
+                    break
+                base.append(dt)
             if status != "survived":
-                print(f"{f}: the unmutated tests do not pass ({status}); its {len(ms)} mutants "
-                      f"are not run:\n{tail}")
+                print(f"{f}: the unmutated tests do not pass ({t}: {status}); its {len(ms)} "
+                      f"mutants are not run:\n{tail}")
                 outcomes += [Outcome(m, "error", 0.0, "baseline fails") for m in ms]
                 continue
-            timeout = args.timeout or max(60.0, 3 * base_s)
+            timeouts = [args.timeout or max(60.0, 3 * b) for b in base]
             print(f"{f}: {len(ms)} mutants; tests {' '.join(tests)}"
                   + (f" -m {args.marker!r}" if args.marker is not None else "")
-                  + f"; baseline {base_s:.1f} s, timeout {timeout:.0f} s", flush=True)
+                  + f"; baseline {sum(base):.1f} s ("
+                  + ", ".join(f"{b:.0f}" for b in base) + f"), timeouts "
+                  + ", ".join(f"{x:.0f}" for x in timeouts) + " s", flush=True)
 
             def one(m: Mutant) -> Outcome:
                 eq = equivalent_reason(m)
@@ -629,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 original = target.read_text(encoding="utf-8")
                 try:
                     target.write_text(m.source, encoding="utf-8")
-                    st, dt, out = run_pytest(work, tests, args.marker, timeout)
+                    st, dt, out = run_staged(work, tests, args.marker, timeouts)
                 finally:
                     target.write_text(original, encoding="utf-8")
                     with pool_lock:
