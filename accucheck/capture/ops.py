@@ -35,8 +35,10 @@ floating-point tensor output (masks, argmax, index arithmetic). Dtype casts (_to
 recorded: a cast to bfloat16 is where precision is lost.
 
 Footguns: op level needs mode eager (a compiled graph does not dispatch ops one by one); it costs
-one statistics pass per op output (and input with --inputs) - see bench/bench_ops.py; weights
-that enter an op (mm's transposed weight) are recorded as op inputs with --inputs, once per call.
+one statistics pass per op output (and input with --inputs) - see bench/bench_ops.py. A weight
+that enters an op (mm's transposed weight, the embedding table) is an "in" record of every call
+with --inputs, but its values and statistics are taken once per capture: all its records name it
+(/index/extra {"weight": "model.layers.0.mlp.up_proj.weight"}) and share one dataset.
 """
 from __future__ import annotations
 
@@ -204,6 +206,8 @@ class OpRecorder(ShadowRecorder):
             return out
         idx = frame.n_ops
         frame.n_ops += 1
+        if frame.occurrence is None:
+            frame.occurrence = {}
         occ = frame.occurrence.get(name, 0)
         frame.occurrence[name] = occ + 1
         self.n_ops += 1

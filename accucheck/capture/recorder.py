@@ -17,7 +17,8 @@ kept alive). When a selected module is called, each floating-point tensor input 
   without request and step; the producer is in the same request and step). When one tensor was
   recorded several times (o_proj's output is also self_attn's output), the last record wins:
   the outermost module that returned it;
-- it is a parameter or buffer of the model: skipped (weights are never recorded per call);
+- it is a parameter or buffer of the model: not linked, and recorded only with `--inputs`
+  (its statistics and values once per capture, see below);
 - otherwise (a residual sum, `act(gate) * up`, an additive attention mask, a tensor made
   outside the selected modules) it is recorded as an "in" record of this call, also without
   `--inputs`, and remembered like an output: the next call that gets the same tensor (the mask
@@ -30,27 +31,38 @@ tensors (torch.inference_mode) have no version counter: they are never linked, a
 Call indices of eager module records count the calls of the module in the step (assigned at
 hook time, so "in" records of a call share its index).
 
+One tensor, one set of statistics: a record of the very tensor an earlier record of the step
+holds (same storage, version, view and dtype: o_proj's output is self_attn's, mlp's is
+down_proj's; with --inputs, most inputs) reuses that record's statistics and, in full mode,
+its dataset (CaptureWriter.add `share`). A weight recorded as an input (with --inputs; at op
+level mm's transposed weight, the embedding table) has its statistics and values taken once
+per capture and view, every record of it names the weight (/index/extra {"weight": NAME}) and
+points to one dataset.
+
+Statistics (accucheck.capture.stats.StepStats): taken in the hook, so an in-place change after
+it cannot alter them; on the CPU one pass of a C kernel per record, on accelerators one copy
+into a staging buffer per record and a dozen kernels per step and dtype / size group; the whole
+step comes to the host once, in `end_step`.
+
 Graph mode: hooks are registered BEFORE torch.compile and do not read Python state (request,
 step and call counters are assigned afterwards, in `end_step`), so the compiled graph does not
 guard on them. In graph mode a hook only appends a detached clone to a list that dynamo replays
 as a side effect; statistics are computed after the forward. Tensor identity is not observable
-inside compiled code: graph mode stores no links and records inputs only with `--inputs`. In
-eager mode the hook computes the statistics at once on the device (one small tensor per record,
-moved to the host once per step).
+inside compiled code: graph mode stores no links and records inputs only with `--inputs`.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from accucheck.capture.stats import StepStats, _no_modes
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, is_layer_block, layer_of
 from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
@@ -182,92 +194,210 @@ def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
     return x.numpy(), dtype
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return name
 
 
-@dataclass(eq=False)
+def finish_rows(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """`finish_stats` of many `tensor_stats` rows at once, without `host`: [n, STAT_FIELDS +
+    SAMPLE_SIZE] float64 (the caller redoes rows holding NaN / Inf whose values it has)."""
+    raw = np.asarray(raw, dtype=np.float64)
+    n = np.asarray(numel, dtype=np.float64)
+    mn, mx, s, l2, nan, inf = (raw[:, j] for j in range(6))
+    nf = n - nan - inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.where(nf > 0, s / np.where(nf > 0, nf, 1.0), np.nan)
+        var = np.where(nf > 1, np.maximum(l2 * l2 - s * mean, 0.0)
+                       / np.where(nf > 1, nf - 1, 1.0), 0.0)
+    out = np.empty((raw.shape[0], 10 + SAMPLE_SIZE))
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = mn, mx, mean, np.sqrt(var)
+    out[:, 4], out[:, 5] = np.maximum(np.abs(mn), np.abs(mx)), l2
+    out[:, 6], out[:, 7], out[:, 8], out[:, 9] = nan, inf, raw[:, 6], n
+    out[:, 10:] = raw[:, 8:8 + SAMPLE_SIZE]
+    return out
+
+
+@dataclass(eq=False, slots=True)
 class _Pending:
+    """One record of the current step, until `end_step` writes it."""
     module: str
     role: str
     slot: str
     kind: str
-    tensor: torch.Tensor | None  # graph mode: clone awaiting statistics
-    stats: torch.Tensor | None   # eager mode: statistics already on the device
-    host: np.ndarray | None
+    # statistics: a row number of the step's StepStats, or the raw row itself (a weight's,
+    # computed once per capture); None while `tensor` (graph mode, logits) awaits end_step
+    stats: int | np.ndarray | None
     dtype: str
     shape: tuple[int, ...]
+    numel: int
     # op-level records (accucheck.capture.ops), shadow replays and eager module records carry
     # their own key parts
     op: str | None = None
     op_index: int | None = None
     call: int | None = None
-    extra: dict | None = None  # JSON object for /index/extra (op call details)
+    extra: dict | None = None  # JSON object for /index/extra (op call details, "weight")
+    tensor: torch.Tensor | None = None  # graph mode: the clone; logits
+    host: np.ndarray | None = None  # full mode: the values (a weight's: cached)
     src: dict | None = None    # input slot -> producer _Pending (links, see module docstring)
     producer: bool = False     # some link may point here: its site is needed at end_step
+    share: str | None = None   # full mode: records of the same tensor share one dataset
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Frame:
     """One open module call: its call index and, for a selected module, the input links."""
     module: str
     call: int
     src: dict | None = None
     n_ops: int = 0
-    occurrence: dict = field(default_factory=dict)
+    occurrence: dict | None = None  # op level: calls of each op in this module call
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int] | None:
-    """(storage address, version) of `t`; None when it cannot be told apart reliably (inference
-    tensors have no version counter; an empty storage has no address)."""
+def _identity(t: torch.Tensor):
+    """(storage address, version, storage) of `t`; None when it cannot be told apart reliably
+    (inference tensors have no version counter; an empty storage has no address)."""
     if t.is_inference():
         return None
     try:
-        ptr = t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
         return None
-    return (ptr, t._version) if ptr else None
+    ptr = st.data_ptr()
+    return (ptr, t._version, st) if ptr else None
+
+
+def _json(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return (t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+_weak_expired = torch.UntypedStorage._expired
+_weak_free = torch.UntypedStorage._free_weak_ref
 
 
 class _Producers:
     """Recorded tensors of the current step by storage identity (see the module docstring).
 
-    Entries hold a weak reference to the storage, never the tensor: an expired one (its storage
-    freed, maybe reused by a new tensor at the same address) never matches. Among live entries
-    of one storage, the one with the same view (offset, shape, strides) wins, else the latest.
+    Entries hold a weak reference to the storage (the raw one StorageWeakRef wraps: created
+    with `_weak_ref()`, freed here, in `clear` or when an entry is replaced), never the tensor:
+    an expired one (its storage freed, maybe reused by a new tensor at the same address) never
+    matches. Among live entries of one storage, the one with the same view (offset, shape,
+    strides, dtype) wins, else the latest. `ident` arguments are `_identity(t)`.
     """
 
     def __init__(self) -> None:
-        self._by_id: dict[tuple[int, int], list[list]] = {}
+        self._by_id: dict[tuple[int, int], list[tuple]] = {}
 
     def clear(self) -> None:
+        for entries in self._by_id.values():
+            for e in entries:
+                _weak_free(e[0])
         self._by_id.clear()
 
-    def add(self, t: torch.Tensor, p: _Pending) -> None:
-        ident = _identity(t)
-        if ident is None:
-            return
-        view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        entries = self._by_id.setdefault(ident, [])
-        entries[:] = [e for e in entries if not e[0].expired() and e[1] != view]
-        entries.append([StorageWeakRef(t.untyped_storage()), view, p])
-        p.producer = True
-
-    def find(self, t: torch.Tensor) -> _Pending | None:
-        ident = _identity(t)
-        entries = self._by_id.get(ident) if ident is not None else None
-        if not entries:
+    def _live(self, ident) -> list | None:
+        key = (ident[0], ident[1])
+        entries = self._by_id.get(key)
+        if entries is None:
             return None
-        live = [e for e in entries if not e[0].expired()]
+        if len(entries) == 1:
+            if _weak_expired(entries[0][0]):
+                _weak_free(entries[0][0])
+                del self._by_id[key]
+                return None
+            return entries
+        live = []
+        for e in entries:
+            if _weak_expired(e[0]):
+                _weak_free(e[0])
+            else:
+                live.append(e)
         if len(live) != len(entries):
             entries[:] = live
-        if not live:
+        return live or None
+
+    def add(self, t: torch.Tensor, p: _Pending, ident=None, view: tuple | None = None) -> None:
+        ident = ident or _identity(t)
+        if ident is None:
+            return
+        view = view or _view(t)
+        key = (ident[0], ident[1])
+        e = (ident[2]._weak_ref(), view, p)
+        entries = self._by_id.get(key)
+        if entries is None:
+            self._by_id[key] = [e]
+        else:
+            keep = []
+            for x in entries:
+                if x[1] == view or _weak_expired(x[0]):
+                    _weak_free(x[0])
+                else:
+                    keep.append(x)
+            keep.append(e)
+            entries[:] = keep
+        p.producer = True
+
+    def find(self, t: torch.Tensor, ident=None, view: tuple | None = None) -> _Pending | None:
+        """The record `t` is (or is a view of), if any."""
+        ident = ident or _identity(t)
+        live = self._live(ident) if ident is not None else None
+        if live is None:
             return None
-        view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        view = view or _view(t)
         for e in reversed(live):
             if e[1] == view:
                 return e[2]
         return live[-1][2]
+
+    def same(self, t: torch.Tensor, ident, view: tuple | None = None) -> _Pending | None:
+        """The record of exactly this tensor (storage, version, view, dtype), if any: the same
+        values, so the same statistics (and, in full mode, the same dataset)."""
+        live = self._live(ident) if ident is not None else None
+        if live is None:
+            return None
+        view = view or _view(t)
+        for e in reversed(live):
+            if e[1] == view:
+                return e[2]
+        return None
+
+
+_SLOTS: dict[Any, str] = {}
+
+
+def _slot(k: Any) -> str:
+    s = _SLOTS.get(k)
+    if s is None:
+        s = clean_slot(k)
+        if len(_SLOTS) < 4096:
+            _SLOTS[k] = s
+    return s
+
+
+def call_slots(args: tuple, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:
+    """`flatten(inputs_of((args, kwargs)))`, faster: the tensor inputs of a module call with
+    their slots."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, v in enumerate(args):
+        if isinstance(v, torch.Tensor):
+            out.append((_slot(i), v))
+        elif isinstance(v, (tuple, list, dict)):
+            out.extend(flatten(v, _slot(i)))
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                out.append((_slot(k), v))
+            elif isinstance(v, (tuple, list, dict)):
+                out.extend(flatten(v, _slot(k)))
+    return out
 
 
 class Recorder:
@@ -275,17 +405,28 @@ class Recorder:
 
     Call `begin_step(req, step)` before each forward and `end_step(logits=...)` after it.
     In eager mode, also stores producer links and records the inputs no link explains (see
-    the module docstring).
+    the module docstring). Statistics: accucheck.capture.stats (`stats_kernel`: "c" / "torch"
+    for CPU tensors, default the C kernel when it builds).
+
+    Eager hooks per selected module: a pre-hook (call index, input links, "in" records) and one
+    always-called forward hook that closes the call and records its outputs. Subclasses that
+    attribute work to the innermost open call (the op and shadow recorders) set
+    `_merged_exit = False`: a separate exit hook, prepended, closes the call before any other
+    forward hook runs (a planted fault's ops are then not the module's).
     """
 
+    _merged_exit = True
+
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
-                 record_inputs: bool = False, graph: bool = False):
+                 record_inputs: bool = False, graph: bool = False,
+                 stats_kernel: str | None = None):
         self.model = model
         self.writer = writer
         self.modules = list(modules)
         self.record_inputs = record_inputs
         self.graph = graph
         self.full = writer.store == "full"
+        self.stats = StepStats(keep=self.full, kernel=stats_kernel)
         self._pending: list[_Pending] = []
         self._req = 0
         self._step = 0
@@ -295,8 +436,16 @@ class Recorder:
         self._calls: dict[str, int] = {}    # calls of each module in this step (eager)
         self._closed: dict[str, _Frame] = {}  # the call of each module that returned last
         self._producers = _Producers()
-        self._weights = {t.untyped_storage().data_ptr()
-                         for t in (*model.parameters(), *model.buffers())}
+        # parameters and buffers by storage: (storage offset, name); a weight seen as an input
+        # is recorded (with --inputs) with statistics and values kept once per capture
+        self._weights: dict[int, list[tuple[int, str]]] = {}
+        for name, w in (*model.named_parameters(), *model.named_buffers()):
+            ptr = w.untyped_storage().data_ptr()
+            if ptr:
+                self._weights.setdefault(ptr, []).append((w.storage_offset(), name))
+        self._weight_rows: dict[tuple, tuple] = {}  # weight view -> (raw row, host, share)
+        self._n_shared = 0
+        self._links_json: dict[tuple, str] = {}  # ((slot, site), ...) -> its /index/extra
 
     # -- pausing -------------------------------------------------------------------------
     @contextmanager
@@ -312,18 +461,61 @@ class Recorder:
     def item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
              op: str | None = None, op_index: int | None = None, extra: dict | None = None,
              kind: str = "module") -> _Pending:
-        """A record with its key parts fixed now (statistics on the device, copy to the host
-        in full mode)."""
-        host, dtype = to_host(t) if self.full else (None, dtype_name(t))
-        return _Pending(module, role, slot, kind, None, tensor_stats(t), host, dtype,
-                        tuple(t.shape), op, op_index, call, extra)
+        """A record with its key parts fixed now; its statistics (and, in full mode, its
+        values) are taken now (StepStats.add: a copy or a finished reduction)."""
+        return _Pending(module, role, slot, kind, self.stats.add(t), dtype_name(t), t.shape,
+                        t.numel(), op, op_index, call, extra)
+
+    def weight_name(self, t: torch.Tensor, ptr: int | None = None) -> str | None:
+        """The parameter / buffer name of `t` (or of the weight it is a view of), else None."""
+        if ptr is None:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                return None
+        entries = self._weights.get(ptr)
+        if not entries:
+            return None
+        off = t.storage_offset()
+        return next((name for o, name in entries if o == off), entries[0][1])
 
     def is_weight(self, t: torch.Tensor) -> bool:
         """A parameter or buffer of the model, or a view of one."""
-        try:
-            return t.untyped_storage().data_ptr() in self._weights
-        except (RuntimeError, NotImplementedError):
-            return False
+        return self.weight_name(t) is not None
+
+    def weight_item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
+                    name: str, op: str | None = None, op_index: int | None = None,
+                    kind: str = "module") -> _Pending:
+        """A record of a weight (mm's transposed weight as an op input, ...): statistics and
+        values taken once per capture and view; every record of it shares one dataset and
+        names the weight in /index/extra ({"weight": "model.layers.0.mlp.up_proj.weight"})."""
+        ck = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+              tuple(t.stride()), t.dtype)
+        hit = self._weight_rows.get(ck)
+        if hit is None:
+            with _no_modes():
+                row = self.stats.now(t)
+                host = to_host(t)[0] if self.full else None
+            hit = self._weight_rows[ck] = (row, host, f"w{len(self._weight_rows)}")
+        p = _Pending(module, role, slot, kind, hit[0], dtype_name(t), tuple(t.shape),
+                     t.numel(), op, op_index, call, {"weight": name})
+        p.host, p.share = hit[1], hit[2]
+        return p
+
+    def same_item(self, q: _Pending, module: str, role: str, slot: str, call: int | None,
+                  op: str | None = None, op_index: int | None = None,
+                  extra: dict | None = None, kind: str = "module") -> _Pending:
+        """A record of the very tensor `q` recorded (o_proj's output is self_attn's): its
+        statistics, and in full mode its dataset, are q's."""
+        p = _Pending(module, role, slot, kind, q.stats, q.dtype, q.shape, q.numel, op,
+                     op_index, call, extra)
+        p.host = q.host
+        if self.full:
+            if q.share is None:
+                q.share = f"a{self._n_shared}"
+                self._n_shared += 1
+            p.share = q.share
+        return p
 
     def link_inputs(self, slots: list[tuple[str, torch.Tensor]], module: str, call: int,
                     op: str | None = None, kind: str = "module"
@@ -333,33 +525,65 @@ class Recorder:
         The caller appends the records to the step (op records get their op_index later)."""
         src: dict[str, _Pending] = {}
         ins: list[_Pending] = []
+        every = self.record_inputs
+        op_index = -1 if op else None
+        producers = self._producers
         for slot, t in slots:
             # an empty tensor (the prefill's empty KV cache) holds nothing to compare
-            floating = (t.is_floating_point() or t.is_complex()) and t.numel() > 0
-            weight = floating and self.is_weight(t)
-            producer = self._producers.find(t) if floating and not weight else None
-            if producer is not None:
-                src[slot] = producer
-            if self.record_inputs or (floating and not weight and producer is None):
-                p = self.item(module, "in", slot, t, call, op, -1 if op else None, kind=kind)
-                ins.append(p)
-                if floating and not weight and producer is None:
-                    self._producers.add(t, p)
+            if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+                if every:
+                    ins.append(self.item(module, "in", slot, t, call, op, op_index, kind=kind))
+                continue
+            ident = _identity(t)
+            wname = self.weight_name(t, ident[0] if ident is not None else None) \
+                if ident is None or ident[0] in self._weights else None
+            if wname is not None:  # weights are never linked; recorded once with --inputs
+                if every:
+                    ins.append(self.weight_item(module, "in", slot, t, call, wname, op,
+                                                op_index, kind))
+                continue
+            if ident is not None:
+                view = _view(t)
+                producer = producers.find(t, ident, view)
+                if producer is not None:
+                    src[slot] = producer
+                    if every:
+                        q = producers.same(t, ident, view)
+                        ins.append(self.same_item(q, module, "in", slot, call, op, op_index,
+                                                  kind=kind) if q is not None else
+                                   self.item(module, "in", slot, t, call, op, op_index,
+                                             kind=kind))
+                    continue
+            p = self.item(module, "in", slot, t, call, op, op_index, kind=kind)
+            ins.append(p)
+            if ident is not None:
+                producers.add(t, p, ident, view)
         return src, ins
 
     def outputs(self, slots: list[tuple[str, torch.Tensor]], module: str, call: int,
                 src: dict | None, op: str | None = None, op_index: int | None = None,
                 extra: dict | None = None, kind: str = "module") -> list[_Pending]:
         """Output records of a call (links and `extra` on the first one), registered as
-        producers."""
+        producers. An output that IS an earlier record's tensor shares its statistics."""
         outs = []
+        producers = self._producers
+        add = self.stats.add
         for j, (slot, t) in enumerate(slots):
-            p = self.item(module, "out", slot, t, call, op, op_index,
-                          extra if j == 0 else None, kind=kind)
+            x = extra if j == 0 else None
+            ident = _identity(t) if t.is_floating_point() or t.is_complex() else None
+            if ident is not None:
+                view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
+                q = producers.same(t, ident, view) if (ident[0], ident[1]) in producers._by_id \
+                    else None
+                p = self.same_item(q, module, "out", slot, call, op, op_index, x, kind) \
+                    if q is not None else \
+                    _Pending(module, "out", slot, kind, add(t), dtype_name(t), t.shape,
+                             t.numel(), op, op_index, call, x)
+                producers.add(t, p, ident, view)
+            else:
+                p = self.item(module, "out", slot, t, call, op, op_index, x, kind)
             if j == 0:
                 p.src = src or None
-            if t.is_floating_point() or t.is_complex():
-                self._producers.add(t, p)
             outs.append(p)
         return outs
 
@@ -370,42 +594,72 @@ class Recorder:
             def hook_graph(_mod, *args):
                 obj = args[-1] if role == "out" else inputs_of(args)
                 for slot, t in flatten(obj):
-                    pending.append(_Pending(name, role, slot, "module", t.detach().clone(),
-                                            None, None, "", ()))
+                    pending.append(_Pending(name, role, slot, "module", None, "", (), 0,
+                                            tensor=t.detach().clone()))
             return hook_graph
 
+        stack, calls, link, outputs = self._stack, self._calls, self.link_inputs, self.outputs
         if role == "in":
-            def enter_eager(_mod, *args):
+            def enter_eager(_mod, args, kwargs):
                 if self._pause:
                     return None
-                call = self._calls.get(name, 0)
-                self._calls[name] = call + 1
-                with self.paused():
-                    src, ins = self.link_inputs(flatten(inputs_of(args)), name, call)
-                pending.extend(ins)
-                self._stack.append(_Frame(name, call, src))
+                call = calls.get(name, 0)
+                calls[name] = call + 1
+                if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                    slots = [("0", args[0])]  # a leaf module's usual call
+                else:
+                    slots = call_slots(args, kwargs)
+                src, ins = link(slots, name, call)
+                if ins:
+                    pending.extend(ins)
+                stack.append(_Frame(name, call, src))
                 return None
             return enter_eager
 
-        def out_eager(_mod, *args):
+        closed = self._closed
+        if self._merged_exit:
+            # one always-called hook closes the call's frame (also when forward raises: then
+            # `out` is None) and records the outputs
+            def exit_out_eager(_mod, _args, out):
+                if self._pause:
+                    return None
+                if stack and stack[-1].module == name:
+                    frame = stack.pop()
+                else:
+                    frame = self.pop_frame(name)
+                    if frame is None:
+                        return None
+                closed[name] = frame
+                if out is not None:
+                    pending.extend(outputs([("0", out)] if isinstance(out, torch.Tensor)
+                                           else flatten(out), name, frame.call, frame.src))
+                return None
+            return exit_out_eager
+
+        def out_eager(_mod, _args, out):
             if self._pause:
                 return None
-            frame = self._closed.get(name)
+            frame = closed.get(name)
             if frame is None:
                 return None
-            with self.paused():
-                pending.extend(self.outputs(flatten(args[-1]), name, frame.call, frame.src))
+            pending.extend(outputs([("0", out)] if isinstance(out, torch.Tensor)
+                                   else flatten(out), name, frame.call, frame.src))
             return None
         return out_eager
 
     def _exit_hook(self, name: str):
         """Closes the call's frame (also when forward raises), before the output hooks run."""
+        stack, closed = self._stack, self._closed
+
         def exit_eager(_mod, _args, _out):
             if self._pause:
                 return None
+            if stack and stack[-1].module == name:  # the usual case: the innermost call
+                closed[name] = stack.pop()
+                return None
             frame = self.pop_frame(name)
             if frame is not None:
-                self._closed[name] = frame
+                closed[name] = frame
             return None
         return exit_eager
 
@@ -426,16 +680,22 @@ class Recorder:
         missing = [n for n in self.modules if n not in by_name]
         if missing:
             raise ValueError(f"modules not in model: {missing[:5]}")
+        for name in self.modules:  # keys are built as strings at end_step: check names now
+            RecordKey(0, 0, name, 0, "out", "0")
         try:
             for name in self.modules:
                 mod = by_name[name]
                 if self.record_inputs or not self.graph:
                     self.handles.append(mod.register_forward_pre_hook(
                         self._make_hook(name, "in"), with_kwargs=True))
-                if not self.graph:
+                if self.graph or not self._merged_exit:
+                    if not self.graph:
+                        self.handles.append(mod.register_forward_hook(
+                            self._exit_hook(name), prepend=True, always_call=True))
+                    self.handles.append(mod.register_forward_hook(self._make_hook(name, "out")))
+                else:
                     self.handles.append(mod.register_forward_hook(
-                        self._exit_hook(name), prepend=True, always_call=True))
-                self.handles.append(mod.register_forward_hook(self._make_hook(name, "out")))
+                        self._make_hook(name, "out"), always_call=True))
             yield self
         finally:
             for h in self.handles:
@@ -443,6 +703,7 @@ class Recorder:
             self.handles.clear()
             self._pending.clear()
             self._reset_step_state()
+            self.stats.compute()  # drop what a failed step left staged
 
     # -- steps ---------------------------------------------------------------------------
     def _reset_step_state(self) -> None:
@@ -454,6 +715,7 @@ class Recorder:
     def begin_step(self, req: int, step: int) -> None:
         self._pending.clear()
         self._reset_step_state()
+        self.stats.compute()  # a step that never ended leaves nothing behind
         self._req, self._step = req, step
 
     def end_step(self, logits: torch.Tensor | None = None) -> int:
@@ -463,43 +725,70 @@ class Recorder:
         self._pending.clear()
         self._producers.clear()  # links never cross a step
         if logits is not None:
-            items.append(_Pending(LOGITS_MODULE, "out", "0", "logits", logits.detach(), None,
-                                  None, "", ()))
+            items.append(_Pending(LOGITS_MODULE, "out", "0", "logits", None, "", (), 0,
+                                  tensor=logits.detach()))
         for p in items:
-            if p.stats is None:  # graph mode / logits: statistics now
-                t = p.tensor
-                p.stats = tensor_stats(t)
-                p.dtype, p.shape = dtype_name(t), tuple(t.shape)
-                if self.full:
-                    p.host, _ = to_host(t)
+            t = p.tensor
+            if t is not None:  # graph mode / logits: statistics now
+                p.stats = self.stats.add(t)
+                p.dtype, p.shape, p.numel = dtype_name(t), tuple(t.shape), t.numel()
                 p.tensor = None
+        raw, hosts = self.stats.compute()  # every record of the step, one transfer
         if not items:
             return 0
-        rows = torch.stack([p.stats for p in items]).to("cpu").numpy()  # one transfer per step
+        index = [p.stats for p in items]
+        if all(type(s) is int for s in index):
+            rows = raw[index]
+            if hosts:
+                for p, s in zip(items, index):
+                    p.host = hosts[s]
+        else:  # weights: their row is kept once per capture
+            rows = np.empty((len(items), raw.shape[1]))
+            for k, (p, s) in enumerate(zip(items, index)):
+                if type(s) is int:
+                    rows[k] = raw[s]
+                    if hosts:
+                        p.host = hosts[s]
+                else:
+                    rows[k] = s
+        numel = np.fromiter((p.numel for p in items), dtype=np.float64, count=len(items))
+        final = finish_rows(rows, numel)
+        for k in np.flatnonzero(rows[:, 4] + rows[:, 5]):  # NaN / Inf: finite-only min..l2
+            h = items[k].host
+            if h is not None:
+                final[k] = finish_stats(rows[k], items[k].numel,
+                                        bf16_bits_to_float32(h) if items[k].dtype == "bfloat16"
+                                        else h)
+        checksums = rows[:, 7].astype(np.int64)
         calls: dict[tuple[str, str, str], int] = {}
         sites: dict[int, str] = {}
-        for p, row in zip(items, rows):
-            if p.call is not None:
-                key = RecordKey(self._req, self._step, p.module, p.call, p.role, p.slot, p.op,
-                                p.op_index)
-            else:  # graph mode: counted here, hooks there must not read Python state
-                n = calls.get((p.module, p.role, p.slot), 0)
-                calls[(p.module, p.role, p.slot)] = n + 1
-                key = RecordKey(self._req, self._step, p.module, n, p.role, p.slot)
+        head = f"r{self._req}.s{self._step}:"
+        add = self.writer.add
+        for k, p in enumerate(items):
+            call = p.call
+            if call is None:  # graph mode: counted here, hooks there must not read Python state
+                ck = (p.module, p.role, p.slot)
+                call = calls.get(ck, 0)
+                calls[ck] = call + 1
+            site = f"{p.module}#{call}/{p.op}@{p.op_index}:{p.role}.{p.slot}" \
+                if p.op is not None else f"{p.module}#{call}:{p.role}.{p.slot}"
             if p.producer:
-                sites[id(p)] = key.site
+                sites[id(p)] = site
             extra = p.extra
             if p.src:
-                links = {slot: sites[id(q)] for slot, q in p.src.items() if id(q) in sites}
-                if links:
-                    extra = {**(extra or {}), "src": links}
-            n_el = int(np.prod(p.shape)) if p.shape else 1
-            host = p.host
-            if host is not None and p.dtype == "bfloat16":
-                host = bf16_bits_to_float32(host)
-            self.writer.add(key, p.kind, p.dtype, p.shape, finish_stats(row, n_el, host),
-                            int(row[7]), p.host,
-                            json.dumps(extra, separators=(",", ":")) if extra else "")
+                links = tuple((slot, sites[id(q)]) for slot, q in p.src.items() if id(q) in sites)
+                if links and extra is None:  # the same links every step: JSON made once
+                    text = self._links_json.get(links)
+                    if text is None:
+                        text = self._links_json[links] = _json({"src": dict(links)})
+                elif links:
+                    text = _json({**extra, "src": dict(links)})
+                else:
+                    text = _json(extra) if extra else ""
+            else:
+                text = _json(extra) if extra else ""
+            add(head + site, p.kind, p.dtype, p.shape, final[k], int(checksums[k]), p.host,
+                text, share=p.share)
         self.writer.flush()
         return len(items)
 
