@@ -4,26 +4,28 @@
     python scripts/mutants.py                                  # every verdict module
     python scripts/mutants.py --modules accucheck/metrics.py --list
     python scripts/mutants.py --modules accucheck/opmatch.py --only accucheck/opmatch.py:151
-    python scripts/mutants.py --changed origin/main -m ""      # lines changed since a ref, slow tests too
+    python scripts/mutants.py --changed origin/main -m ""   # lines changed since a ref, slow too
 
 Each mutant is ONE deliberate bug on one source line (generated from the AST, applied as a
 minimal text splice, so every other line keeps its text and number): a comparison swapped
 (`<` / `<=` / `>` / `>=`, `==` / `!=`, `in` / `not in`, `is` / `is not`), `and` / `or`, a term
 dropped from `and` / `or` / `+` / `-` / a two-argument `max` / `min`, an arithmetic operator
-swapped, a numeric constant x2 and /2 (ints +1; not bit masks / shift counts), `True` / `False`, `max` / `min` (and
-numpy's `maximum` / `argmax` / ...), `any` / `all`, `not` removed, a unary minus removed,
+swapped, a numeric constant x2 and /2 (ints +1; not bit masks / shift counts), `True` /
+`False`, `max` / `min` (and numpy's `maximum` / `argmax` / ...), `any` / `all`, `not` removed,
+a unary minus removed,
 `return X` -> `return None`, `break` / `continue`, a guard `if` (no else) or an accumulating
 statement (`x += ...`, `xs.append(...)`) dropped, a comprehension filter dropped. Nothing inside
 f-strings, annotations, `assert` or `raise` statements is mutated.
 
 The repository is never touched: the tracked and untracked-but-not-ignored files are copied as
 they are in the working tree (uncommitted edits included) to a temporary directory per job, and
-the covering tests (TESTS below, or --tests) run there with `python -m pytest -x -q` and
-PYTHONPATH pointing at the copy (checked before anything runs). The unmutated tests run first
-(baseline): a module whose tests already fail is reported and skipped. Then each mutant is
-written into the copy, the tests run with a timeout (default: 3x the baseline, at least 60 s),
-and the file is restored. Result per mutant: killed (tests failed), survived (tests passed: a
-bug the suite lets through), timeout (counted as detected), error (pytest could not run).
+the covering tests (TESTS below, or --tests) run there with `python -m pytest -x -q`, one test
+file after the other, stopping at the first that fails, with PYTHONPATH pointing at the copy
+(checked before anything runs). The unmutated tests run first (baseline): a module whose tests
+already fail is reported and skipped. Then each mutant is written into the copy, the tests run
+with a timeout per file (default: 3x its baseline, at least 60 s), and the file is restored.
+Result per mutant: killed (tests failed), survived (tests passed: a bug the suite lets
+through), timeout (counted as detected), error (pytest could not run).
 
 Known-equivalent mutants (EQUIVALENT below: no input can tell them apart) are listed as such
 and not run. The kill rate is (killed + timeout) / (killed + timeout + survived).
@@ -77,6 +79,11 @@ TESTS: dict[str, tuple[str, ...]] = {
 # no input can tell from the original (or only inputs outside any meaningful domain, said so).
 # Listed in the report, never run, not counted in the kill rate. Keep it short and honest: a
 # mutant that a test could kill does not belong here.
+def _exact(*lines: str) -> str:
+    """A regex matching a mutated line that is exactly one of `lines` (indentation aside)."""
+    return r"^\s*(" + "|".join(re.escape(ln) for ln in lines) + r")$"
+
+
 _RANK = ("DTYPE_EPS only ranks dtypes (coarser_dtype, loosest_dtype, membership): this x2 or /2"
          " keeps every dtype's rank (the ones that would create a tie are tested)")
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
@@ -88,8 +95,11 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
     ("accucheck/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
-    ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the first "
-     "|difference| (>= 0) replaces any negative value, and result() clamps at 0"),
+    ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
+     "first |difference| (>= 0) replaces any negative value, and result() clamps at 0"),
+    ("accucheck/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "
+     "path counts the same (rel 0 < 1e-3, 0/0 as agreeing, no mismatch, 0 ULP)",
+     r"if d\[j\] == 0\.0:  # identical chunk"),
     ("accucheck/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
      "from range(0, size, _BLOCK))", r"if not a\.size:\n\s*return$"),
     ("accucheck/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
@@ -97,6 +107,29 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
      "6.0 aligns every pair of sequences identically, 1.5 too except at an exact tie"),
     ("accucheck/opmatch.py", r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
      "|la - lb| / max(la, lb) <= 1 for l2 norms (>= 0): the cap at 1.0 never binds"),
+    ("accucheck/opmatch.py", _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
+                                    "if (math.isfinite(la) or math.isfinite(lb)):"),
+     "a non-finite l2 makes the data term 1 - min(1.0, nan) = 0, the same as skipping it"),
+    ("accucheck/opmatch.py", _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
+                                    "pass"),
+     "a fast path: with an empty side the DP and the fused-region pass find nothing either",
+     r"if not n or not m:$"),
+    ("accucheck/opmatch.py", r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
+     r"\(m \+ 1\) for _ in range\(\(?n \+ 2\)?\))", "the DP's border row and column: a uniform "
+     "shift of every cell (1.0) or a row / column the loops never read (n + 2, m + 2)"),
+    ("accucheck/opmatch.py", _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
+     "which of two equal values is kept does not change the maximum"),
+    ("accucheck/opmatch.py", _exact("if (Sp[j - 1] + s > best):",
+                                    "if s != (math.inf) and Sp[j - 1] + s > best:",
+                                    "if s != -math.inf and (Sp[j - 1] + s >= best):"),
+     "s = -inf never beats a finite best; taking an equal value keeps the same maximum"),
+    ("accucheck/opmatch.py", r"while i:$", "with j = 0 the border column (0.0) never equals a "
+     "pair score (>= 3) and i just counts down: no pair is added"),
+    ("accucheck/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
+                                    "if s != (math.inf) and S[i][j] == S[i - 1][j - 1] + s:"),
+     "a -inf score never makes a finite cell equal"),
+    ("accucheck/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
+     "switch moves by one cell (tested at its boundary with a small MAX_DP)"),
     ("accucheck/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
      "the division guard differs only for l2 norms below 2e-30 (all-zero tensors give 0 / guard"
      " = 0 either way)"),
@@ -469,6 +502,22 @@ def run_pytest(work: Path, tests: list[str], marker: str | None, timeout: float
     return status, dt, out[-2000:]
 
 
+def run_staged(work: Path, tests: list[str], marker: str | None, timeouts: list[float]
+               ) -> tuple[str, float, str]:
+    """The test files one pytest run each, in order, stopping at the first that fails: a
+    mutant the first (fast) file kills never pays for collecting the others (collection alone
+    imports torch for some)."""
+    total, out = 0.0, ""
+    for t, limit in zip(tests, timeouts):
+        status, dt, out = run_pytest(work, [t], marker, limit)
+        total += dt
+        if status == "error" and "no tests ran" in out:  # nothing selected in this file (-m)
+            continue
+        if status != "survived":
+            return status, total, out
+    return "survived", total, out
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and whatever it started (its own session)
@@ -498,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max", type=int, default=None, help="run at most N mutants")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one copy each)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per mutant (default: 3x the baseline run, at least 60)")
+                   help="seconds per test file and mutant (default: 3x its baseline run, at "
+                        "least 60)")
     p.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     p.add_argument("--only", action="append", default=[], metavar="FILE:LINE",
                    help="only mutants on this line (repeatable)")
@@ -574,16 +624,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{f}: no test files to run (give --tests); {len(ms)} mutants not run")
                 outcomes += [Outcome(m, "error", 0.0, "no tests") for m in ms]
                 continue
-            status, base_s, tail = run_pytest(works[0], tests, args.marker, 3600)
+            base: list[float] = []
+            for t in tests:
+                status, dt, tail = run_pytest(works[0], [t], args.marker, 3600)
+                if status == "error" and "no tests ran" in tail:
+                    status = "survived"  # nothing selected in this file (-m): fine
+                if status != "survived":
+                    break
+                base.append(dt)
             if status != "survived":
-                print(f"{f}: the unmutated tests do not pass ({status}); its {len(ms)} mutants "
-                      f"are not run:\n{tail}")
+                print(f"{f}: the unmutated tests do not pass ({t}: {status}); its {len(ms)} "
+                      f"mutants are not run:\n{tail}")
                 outcomes += [Outcome(m, "error", 0.0, "baseline fails") for m in ms]
                 continue
-            timeout = args.timeout or max(60.0, 3 * base_s)
+            timeouts = [args.timeout or max(60.0, 3 * b) for b in base]
             print(f"{f}: {len(ms)} mutants; tests {' '.join(tests)}"
                   + (f" -m {args.marker!r}" if args.marker is not None else "")
-                  + f"; baseline {base_s:.1f} s, timeout {timeout:.0f} s", flush=True)
+                  + f"; baseline {sum(base):.1f} s ("
+                  + ", ".join(f"{b:.0f}" for b in base) + f"), timeouts "
+                  + ", ".join(f"{x:.0f}" for x in timeouts) + " s", flush=True)
 
             def one(m: Mutant) -> Outcome:
                 eq = equivalent_reason(m)
@@ -598,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 original = target.read_text(encoding="utf-8")
                 try:
                     target.write_text(m.source, encoding="utf-8")
-                    st, dt, out = run_pytest(work, tests, args.marker, timeout)
+                    st, dt, out = run_staged(work, tests, args.marker, timeouts)
                 finally:
                     target.write_text(original, encoding="utf-8")
                     with pool_lock:

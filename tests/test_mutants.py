@@ -46,8 +46,9 @@ def test_generation_is_deterministic_and_one_line(mutants, toy):
     assert [(m.line, m.what) for m in ms] == [
         (2, "return X -> return None"), (2, "compare: > -> >="), (2, "compare: > -> <"),
         (5, "constant: 2.5 -> 5.0"), (5, "constant: 2.5 -> 1.25")]
-    assert [(m.old, m.new) for m in ms[1:3]] == [("    return x > limit", "    return (x >= limit)"),
-                                                 ("    return x > limit", "    return (x < limit)")]
+    assert [(m.old, m.new) for m in ms[1:3]] == [
+        ("    return x > limit", "    return (x >= limit)"),
+        ("    return x > limit", "    return (x < limit)")]
     assert ms[3].source == TOY.replace("2.5", "5.0")
     assert [(m.line, m.what) for m in mutants.generate("toy.py", toy)] == \
         [(m.line, m.what) for m in ms]
@@ -70,7 +71,8 @@ def test_one_killed_one_survived_repo_untouched(mutants, toy, capsys):
                        "--package", "toy", "--only", "toy.py:2", "--resume", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and text.count("(carried)") == 2 and "survived   toy.py:2" in text
-    assert "killed 2, timeout 0, survived 1" in text and "2 killed / timeout results carried" in text
+    assert "killed 2, timeout 0, survived 1" in text
+    assert "2 killed / timeout results carried" in text
 
 
 def test_changed_selects_only_lines_changed_since_a_ref(mutants, toy, capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from accucheck.keys import RecordKey
 from accucheck.opmatch import OpAlignment, align, op_calls
@@ -186,6 +187,9 @@ def test_alignment_sites_lookup():
     seq = _seq(DECOMPOSED)
     assert seq[0].site == "modeling_llama.py:60 in forward"
     assert seq[6].ident == f"r0.s0:{MOD}#0/aten.mm.default@6"
+    from accucheck.opmatch import op_ident
+
+    assert op_ident(seq[6].outs[0].key) == seq[6].ident
 
 
 def _op_capture(path, calls, module_calls=((0, 0, "model.layers.0.mlp", 0),)):
@@ -248,12 +252,13 @@ def test_align_captures_module_calls_by_key_and_one_side_only_calls(tmp_path):
 
     calls = ((0, 0, "model.layers.0.mlp", 0), (0, 0, "model.layers.0.mlp", 1),
              (0, 1, "model.layers.0.mlp", 0), (0, 1, "model.norm", 0))
-    ref = _op_capture(tmp_path / "r.h5", [
-        (0, "aten.silu.default", 0, {"out.0": H}, ""), (1, "aten.silu.default", 0, {"out.0": H}, ""),
-        (2, "aten.silu.default", 0, {"out.0": H}, "")], calls)
-    cand = _op_capture(tmp_path / "c.h5", [
-        (1, "aten.silu.default", 0, {"out.0": H}, ""), (2, "aten.gelu.default", 0, {"out.0": H}, ""),
-        (3, "aten.rsqrt.default", 0, {"out.0": R}, "")], calls)
+    silu, gelu = "aten.silu.default", "aten.gelu.default"
+    ref = _op_capture(tmp_path / "r.h5", [(0, silu, 0, {"out.0": H}, ""),
+                                          (1, silu, 0, {"out.0": H}, ""),
+                                          (2, silu, 0, {"out.0": H}, "")], calls)
+    cand = _op_capture(tmp_path / "c.h5", [(1, silu, 0, {"out.0": H}, ""),
+                                           (2, gelu, 0, {"out.0": H}, ""),
+                                           (3, "aten.rsqrt.default", 0, {"out.0": R}, "")], calls)
     with open_capture(ref) as r, open_capture(cand) as c:
         pairs, al = align_captures(r, c)
         # a filter (diff --step / --include) applies before alignment
@@ -269,3 +274,118 @@ def test_align_captures_module_calls_by_key_and_one_side_only_calls(tmp_path):
         ("r0.s1:model.norm#0/aten.rsqrt.default@0", "cand")]   # a call the reference lacks
     assert [m.kind for m in al1.matches] == ["fused"] and len(pairs1) == 1
     assert [o.only_in for o in al1.one_sided] == ["cand"]
+
+
+def _best(ref, cand) -> float:
+    """Oracle: the best total score of any monotone matching (memoized recursion)."""
+    from functools import lru_cache
+
+    from accucheck.opmatch import _score
+
+    @lru_cache(maxsize=None)
+    def best(i, j):
+        if i == len(ref) or j == len(cand):
+            return 0.0
+        s = _score(ref[i], cand[j])
+        pair = s + best(i + 1, j + 1) if s != float("-inf") else float("-inf")
+        return max(best(i + 1, j), best(i, j + 1), pair)
+    return best(0, 0)
+
+
+def test_alignment_is_monotone_one_to_one_and_optimal():
+    from accucheck.opmatch import _score
+
+    rng = np.random.default_rng(11)
+    alphabet = [("aten.mul.Tensor", H), ("aten.mul.Scalar", H), ("aten.add.Tensor", H),
+                ("aten.mul.Tensor", R)]
+    for trial in range(150):
+        def seq():
+            k = int(rng.integers(1, 6))
+            return [alphabet[int(rng.integers(len(alphabet)))] + (float(rng.choice([1, 2, 5])),)
+                    for _ in range(k)]
+        ref, cand = _seq(seq()), _seq(seq())
+        pairs = align(ref, cand)
+        for kind in ("exact/aligned", "all"):
+            ps = [(i, j) for i, j, k in pairs if kind == "all" or k != "fused"]
+            assert [i for i, _ in ps] == sorted({i for i, _ in ps}), (trial, pairs)
+            assert [j for _, j in ps] == sorted({j for _, j in ps}), (trial, pairs)
+        nw = [(i, j) for i, j, k in pairs if k != "fused"]
+        assert all(_score(ref[i], cand[j]) != float("-inf") for i, j in nw)
+        assert sum(_score(ref[i], cand[j]) for i, j in nw) == pytest.approx(_best(ref, cand)), \
+            trial
+
+
+def test_large_calls_fall_back_to_difflib(monkeypatch):
+    """Above MAX_DP cell pairs the alignment is difflib on (operator, shapes): no data
+    tie-break there (the first equal token pairs), and no junk heuristic on long sequences."""
+    import accucheck.opmatch as om
+
+    ref = _seq([("aten.mul.Tensor", H, 40.0), ("aten.mul.Tensor", H, 3.0)])
+    cand = _seq([("aten.mul.Tensor", H, 3.0)])
+    monkeypatch.setattr(om, "MAX_DP", 2)            # 2 x 1 cells: still the DP (data wins)
+    assert align(ref, cand) == [(1, 0, "aligned")]
+    monkeypatch.setattr(om, "MAX_DP", 1)            # over it: difflib, first token
+    assert align(ref, cand) == [(0, 0, "exact")]
+    long = _seq([("aten.add.Tensor", H, 1.0)] * 250)
+    monkeypatch.setattr(om, "MAX_DP", 0)
+    got = align(long, long[:200] + _seq([("aten.mm.default", (5, 256), 1.0)]) + long[200:])
+    assert [(i, j) for i, j, _ in got] == [(i, i if i < 200 else i + 1) for i in range(250)]
+    shifted = align(ref, _seq([("aten.add.Tensor", R, 1.0), ("aten.mul.Tensor", H, 3.0)]))
+    assert shifted == [(0, 1, "aligned")]
+    # cells are n x m (1 x 2 = 2 > 1): difflib pairs the first equal candidate, not the data
+    monkeypatch.setattr(om, "MAX_DP", 1)
+    assert align(cand, _seq([("aten.mul.Tensor", H, 40.0), ("aten.mul.Tensor", H, 3.0)])) == \
+        [(0, 0, "exact")]
+
+
+def test_op_calls_groups_op_records_only():
+    from dataclasses import replace
+
+    rows = _rows(DECOMPOSED[:3])
+    module_row = replace(rows[0], key=RecordKey(0, 0, MOD, 0, "out", "0"), order=10)
+    shadow = replace(rows[1], key=replace(rows[1].key, role="shadow"), order=11)
+    inp = replace(rows[2], key=replace(rows[2].key, role="in"), order=12, extra="")
+    calls = op_calls(rows + [module_row, shadow, inp])
+    (seq,) = calls.values()
+    assert [(c.op, c.op_index, len(c.outs), len(c.ins)) for c in seq] == [
+        ("aten.pow.Tensor_Scalar", 0, 1, 0), ("aten.mean.dim", 1, 1, 0),
+        ("aten.add.Tensor", 2, 1, 1)]       # module and shadow records left out, inputs kept
+    kept = op_calls(rows, lambda k: k.op_index != 1)[(0, 0, MOD, 0)]
+    assert [c.op_index for c in kept] == [0, 2]          # a filter drops records before grouping
+    # the call site: from the first record that has one; null / malformed extra ignored
+    a = replace(rows[0], extra='{"site": null}')
+    b = replace(rows[0], key=replace(rows[0].key, role="in"), extra='{"site": "x.py:1 in f"}')
+    c = replace(rows[0], key=replace(rows[0].key, role="in", slot="1"),
+                extra='{"site": "y.py:2 in g"}')
+    assert op_calls([a, b, c])[(0, 0, MOD, 0)][0].site == "x.py:1 in f"
+    assert op_calls([a])[(0, 0, MOD, 0)][0].site == ""
+    bad = [replace(rows[0], extra="[1, 2]"), replace(rows[1], extra="{not json")]
+    assert [x.site for x in op_calls(bad)[(0, 0, MOD, 0)]] == ["", ""]
+    # an op call whose outputs were not recorded has no l2 and no shapes
+    only_in = op_calls([inp])[(0, 0, MOD, 0)][0]
+    assert (only_in.outs, only_in.l2, only_in.shapes) == ((), 0.0, ())
+
+
+def test_records_are_frozen_and_validated():
+    import dataclasses
+
+    from accucheck.opmatch import OneSided, OpMatch, op_packet
+
+    seq = _seq(DECOMPOSED[:1])
+    al = OpAlignment((OpMatch("a", "b", "fused"),), (OneSided("c", "ref", ""),), ())
+    for obj, field in ((seq[0], "op"), (al.matches[0], "kind"), (al.one_sided[0], "ident"),
+                       (al, "matches")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, None)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        OpMatch("a", "b", "similar")
+    assert al.n_fused == 1 and OpAlignment((), (), ()).n_fused == 0
+    assert op_packet("aten.mm.default") == "aten.mm" and op_packet("aten.mm") == "aten.mm"
+    assert op_packet("npu.npu_rms_norm.default") == "npu.npu_rms_norm" and op_packet("f") == "f"
+
+
+def test_same_operator_with_another_shape_never_pairs():
+    assert align(_seq([("aten.mul.Tensor", H, 5.0)]), _seq([("aten.mul.Tensor", R, 5.0)])) == []
+    ref = _seq([("aten.mul.Tensor", H, 5.0), ("aten.mm.default", (5, 256), 3.0)])
+    cand = _seq([("aten.mul.Tensor", (1, 5, 128), 5.0), ("aten.mm.default", (5, 256), 3.0)])
+    assert align(ref, cand) == [(1, 1, "exact")]
