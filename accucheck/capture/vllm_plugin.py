@@ -39,7 +39,8 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from accucheck.capture.recorder import (finish_stats, flatten, inputs_of, select_modules,
-                                        tensor_stats, to_host)
+                                        to_host)
+from accucheck.capture.stats import tensor_rows
 from accucheck.keys import is_layer_block, layer_of
 from accucheck.store import bf16_bits_to_float32
 
@@ -387,10 +388,12 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
 
 def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
                ) -> list[tuple[np.ndarray, int]]:
-    """(stored statistics row, checksum) per tensor, with one device-to-host transfer."""
+    """(stored statistics row, checksum) per tensor, with one device-to-host transfer
+    (accucheck.capture.stats: a staging copy per tensor and a dozen kernels per dtype / size
+    on the GPU / NPU, one C pass per tensor on the CPU)."""
     if not tensors:
         return []
-    raw = torch.stack([tensor_stats(t) for t in tensors]).to("cpu").numpy()
+    raw = tensor_rows(tensors)
     out = []
     for t, host, row in zip(tensors, hosts, raw):
         vals = bf16_bits_to_float32(host) if host is not None and t.dtype == torch.bfloat16 \
