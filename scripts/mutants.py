@@ -95,6 +95,9 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
     ("accucheck/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
+    ("accucheck/metrics.py", _exact("bad = (na != nb) | (ia != ib) | ((ia | ib) & (np.sign(a) "
+                                    "!= np.sign(b)))"),
+     "where only one side is inf, (ia != ib) already counts the position"),
     ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
      "first |difference| (>= 0) replaces any negative value, and result() clamps at 0"),
     ("accucheck/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "

@@ -207,12 +207,19 @@ def test_accumulator_equals_the_pure_functions_across_blocks():
     a[190_000], b[190_000] = 2.0, -3.0     # exactly as large: the first one stays the worst
     acc = M.MetricAccumulator("float64", "float64")
     acc.add(np.array([np.nan, np.inf]), np.array([np.nan, np.inf]))   # nothing finite here
-    for i in range(0, n, 100_000):
-        acc.add(a[i:i + 100_000], b[i:i + 100_000])
+    for i in range(0, n, 150_000):          # chunk 1 holds blocks at 0, 65536 and 131072
+        acc.add(a[i:i + 150_000], b[i:i + 150_000])
     m = acc.result()
     a, b = np.concatenate([[np.nan, np.inf], a]), np.concatenate([[np.nan, np.inf], b])
     assert m.numel == n + 2 and m.worst_index == 150_003 and m.nan_inf_mismatch == 0
     assert (m.worst_ref, m.worst_cand) == (a[150_003], b[150_003])
+    # the worst element in a later block of a chunk: the block's offset inside the chunk counts
+    a2, b2 = a[2:].copy(), b[2:].copy()
+    a2[140_000], b2[140_000] = 0.0, 9.0
+    acc = M.MetricAccumulator("float64", "float64")
+    acc.add(a2[:150_000], b2[:150_000])
+    acc.add(a2[150_000:], b2[150_000:])
+    assert acc.result().worst_index == 140_000
     assert m.max_abs == M.max_abs(a, b) and m.max_rel == M.max_rel(a, b)
     for name, fn in (("mean_abs", M.mean_abs), ("rel_l2", M.rel_l2), ("cosine", M.cosine),
                      ("sqnr_db", M.sqnr_db), ("rmse", M.rmse)):
@@ -224,9 +231,10 @@ def test_accumulator_equals_the_pure_functions_across_blocks():
 
 def test_accumulator_thresholds_are_strict_and_zero_over_zero_counts_as_agreeing():
     # relative error exactly 1e-3 / 5e-3 is not below it (as frac_rel_below)
-    a, b = np.array([1000.0, 1000.0, 1.0]), np.array([1001.0, 1005.0, 1.0])
+    a = np.array([1000.0, 1000.0, 1.0, 1000.0, 1000.0])
+    b = np.array([1001.0, 1005.0, 1.0, 1003.0, 1000.5])    # rel 1e-3, 5e-3, 0, 3e-3, 5e-4
     m = M.tensor_metrics(a, b, "float64", "float64")
-    assert (m.frac_rel_lt_1e3, m.frac_rel_lt_5e3) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert (m.frac_rel_lt_1e3, m.frac_rel_lt_5e3) == (pytest.approx(2 / 5), pytest.approx(4 / 5))
     assert m.frac_rel_lt_1e3 == pytest.approx(M.frac_rel_below(a, b, 1e-3))
     # 0 vs 0 is no error (rel 0), whatever else the chunk holds; x vs 0 is an infinite one
     a, b = np.array([0.0, 0.0, 1.0, 0.0]), np.array([0.0, 0.0, 2.0, 1e-3])
@@ -258,8 +266,9 @@ def test_accumulator_contract():
         assert (acc.result().max_ulp is None) == (want is None), (ref, cand)
     # nothing added: zero elements, nothing differs
     m = M.MetricAccumulator("float32", "float32").result()
-    assert (m.numel, m.max_abs, m.rel_l2, m.worst_index, m.frac_rel_lt_1e3) == (0, 0.0, 0.0,
-                                                                               None, 1.0)
+    assert (m.numel, m.max_abs, m.mean_abs, m.rmse, m.rel_l2, m.cosine) == (0, 0.0, 0.0, 0.0,
+                                                                            0.0, 1.0)
+    assert (m.worst_index, m.frac_rel_lt_1e3, m.frac_rel_lt_5e3, m.max_ulp) == (None, 1.0, 1.0, 0)
     # identical: no worst element; without rtol/atol, no mismatch count
     m = M.tensor_metrics(np.ones(5), np.ones(5))
     assert (m.numel, m.worst_index, m.mismatched, m.frac_rel_lt_5e3) == (5, None, None, 1.0)
@@ -326,6 +335,29 @@ def test_kl_is_ref_to_cand_on_an_asymmetric_pair():
     # several rows at once, each its own distribution; never negative (rounding is clipped)
     both = M.kl_div(np.vstack([ref, ref]), np.vstack([cand, ref + 7.0]))
     assert both[0] == pytest.approx(forward, rel=1e-12) and both[1] == 0.0
+
+
+def test_logits_metrics_on_large_logits_and_small_vocabularies():
+    # log-softmax subtracts the row maximum: logits of 1000 do not overflow
+    ls = M.log_softmax(np.array([[1000.0, 0.0], [-1000.0, -1001.0]]))
+    assert np.isfinite(ls).all()
+    assert ls[0].tolist() == pytest.approx([0.0, -1000.0])
+    assert ls[1].tolist() == pytest.approx([-math.log1p(math.exp(-1.0)),
+                                            -1.0 - math.log1p(math.exp(-1.0))])
+    assert M.kl_div(np.array([[1000.0, 0.0]]), np.array([[1000.0, 0.0]]))[0] == 0.0
+    # top-k with k at or above the vocabulary size: every token, overlap 1
+    x = np.array([[3.0, 1.0, 2.0]])
+    assert M.topk_overlap(x, x[:, ::-1], 3).tolist() == [1.0]
+    assert M.topk_overlap(x, -x, 5).tolist() == [1.0]
+    # top-1 minus top-2 per row; a one-token vocabulary has no margin; a tie has margin 0
+    assert M.top2_margin(np.array([[1.0, 3.0], [4.0, 1.5]])).tolist() == [2.0, 2.5]
+    assert M.top2_margin(np.array([[3.0], [1.0]])).tolist() == [0.0, 0.0]
+    assert M.top2_margin(np.array([2.0, 5.0, 5.0, 1.0])).tolist() == [0.0]
+    # the default k is 5: the 6th token does not count
+    r = np.array([[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 0.0, 0.0]])
+    c = np.array([[9.0, 8.0, 7.0, 6.0, 0.0, 4.0, 5.0, 0.0]])  # 5th and 7th swapped
+    assert M.topk_overlap(r, c).tolist() == [0.8] == M.topk_overlap(r, c, 5).tolist()
+    assert M.topk_overlap(r, c, 6).tolist() == pytest.approx([5 / 6])
 
 
 def test_logits_metrics():
