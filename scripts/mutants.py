@@ -131,6 +131,8 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
                                     "if s != (math.inf) and S[i][j] == S[i - 1][j - 1] + s:"),
      "a -inf score never makes a finite cell equal"),
+    ("accucheck/opmatch.py", _exact("if (not p['site']):"), "an empty extra makes json.loads "
+     "raise ValueError, which is caught: the same as skipping it"),
     ("accucheck/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
      "switch moves by one cell (tested at its boundary with a small MAX_DP)"),
     ("accucheck/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
