@@ -15,7 +15,10 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             (min / max / mean / std over the finite elements; computed in float32
                             for 16-bit inputs, float64 otherwise)
     /index/checksum         [n] int64: sum of the raw bit patterns (as integers) mod 2**52
-    /index/data             [n] strings: dataset name under /tensors, "" in stats mode
+    /index/data             [n] strings: dataset name under /tensors, "" in stats mode; rows
+                            holding the same tensor name the same dataset (a weight recorded
+                            as an op input at every call is stored once, as is one tensor
+                            recorded by two modules: o_proj's output is self_attn's)
     /index/extra            [n] strings (OPTIONAL: files written before it existed lack it; a
                             reader treats it as all ""): "" or a JSON object with per-record
                             details, on the first output record of a module / op call:
@@ -34,8 +37,8 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
                             when numel < 64): the same positions on every device for the same
                             shape, so two stats-mode captures can estimate rel_l2 from it
-    /tensors/<8 digits>     the tensor in its original dtype and shape (chunked, optional
-                            gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
+    /tensors/<8 digits>     the tensor in its original dtype and shape (contiguous; chunked
+                            with --compression gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
                             gives the exact values.
     /requests/<i>/prompt_ids     int64 token ids of prompt i
@@ -192,6 +195,8 @@ class CaptureWriter:
         self._rows: list[tuple] = []
         self._n = 0
         self._seen: set[str] = set()
+        self._shared: dict[str, str] = {}  # share -> dataset name (see add)
+        self._shapes: dict[tuple, str] = {}  # shape -> its JSON
         self._closed = False
         self.flush_interval = 1.0
         self._last_flush = float("-inf")
@@ -339,13 +344,17 @@ class CaptureWriter:
         except OSError:
             pass
 
-    def add(self, key: RecordKey, kind: str, dtype: str, shape: Sequence[int],
+    def add(self, key: RecordKey | str, kind: str, dtype: str, shape: Sequence[int],
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
-            extra: str = "") -> None:
-        """Add one record. `stats`: the STAT_FIELDS values, optionally followed by SAMPLE_SIZE
-        sampled values (see /index/sample). `data` (full mode only) is the tensor as a numpy
-        array in its stored representation (bfloat16 as uint16 bit patterns, `dtype` says
-        "bfloat16"). `extra`: "" or a JSON object string (see /index/extra)."""
+            extra: str = "", share: str | None = None) -> None:
+        """Add one record. `key`: a RecordKey or its string. `stats`: the STAT_FIELDS values,
+        optionally followed by SAMPLE_SIZE sampled values (see /index/sample). `data` (full
+        mode only) is the tensor as a numpy array in its stored representation (bfloat16 as
+        uint16 bit patterns, `dtype` says "bfloat16"). `extra`: "" or a JSON object string
+        (see /index/extra). `share`: records added with the same `share` string hold the same
+        tensor (a weight seen at every call, one tensor recorded by two modules): the first
+        one's `data` is stored, the later ones point to that dataset (their `data` is not
+        read)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
         skey = str(key)
@@ -356,23 +365,36 @@ class CaptureWriter:
         name = ""
         if self._closed:
             raise ValueError(f"{self.path}: add after close")
-        if data is not None and self.store == "full":
+        if self.store == "full" and share is not None and share in self._shared:
+            name = self._shared[share]
+        elif data is not None and self.store == "full":
             name = f"{order:08d}"
-            arr = np.ascontiguousarray(data)
+            arr = np.ascontiguousarray(data) if np.ndim(data) else np.asarray(data)  # 0-d stays
             self._room(arr.nbytes + 4096)
-            chunks = _chunk_shape(arr.shape, arr.itemsize) if arr.size else None
             with self._io():
-                ds = self._f["tensors"].create_dataset(
-                    name, data=arr, chunks=chunks,
-                    compression=self.compression if arr.size else None)
-                ds.attrs["dtype"] = dtype
-        row = np.asarray(stats, dtype=np.float64).reshape(-1)
+                if self.compression is None and arr.size and arr.dtype.kind in "fiu":
+                    _write_contiguous(self._f["tensors"], name, arr, dtype)
+                else:
+                    chunked = arr.size and arr.ndim  # scalars and empty arrays are not
+                    ds = self._f["tensors"].create_dataset(
+                        name, data=arr,
+                        chunks=_chunk_shape(arr.shape, arr.itemsize) if chunked else None,
+                        compression=self.compression if chunked else None)
+                    ds.attrs["dtype"] = dtype
+            if share is not None:
+                self._shared[share] = name
+        row = stats if type(stats) is np.ndarray and stats.ndim == 1 \
+            and stats.dtype == np.float64 else np.asarray(stats, dtype=np.float64).reshape(-1)
         if row.size not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
             raise ValueError(f"stats row of {row.size} values for {skey}")
         sample = row[len(STAT_FIELDS):] if row.size > len(STAT_FIELDS) \
             else np.full(SAMPLE_SIZE, np.nan)
-        self._rows.append((skey, kind, dtype, json.dumps([int(s) for s in shape]), name,
-                           int(checksum), row[:len(STAT_FIELDS)], extra, sample))
+        shape_key = tuple(shape)
+        shape_json = self._shapes.get(shape_key)
+        if shape_json is None:
+            shape_json = self._shapes[shape_key] = json.dumps([int(s) for s in shape])
+        self._rows.append((skey, kind, dtype, shape_json, name, int(checksum),
+                           row[:len(STAT_FIELDS)], extra, sample))
 
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
@@ -469,6 +491,22 @@ def _split_axis(shape: tuple[int, ...], max_elems: int) -> tuple[int, int]:
         k += 1
     inner = int(np.prod(shape[k + 1:])) if k + 1 < len(shape) else 1
     return k, max(1, min(shape[k], max_elems // max(inner, 1)))
+
+
+_ATTR_STR = h5py.h5t.py_create(_STR, logical=True)  # the file type of a str attribute
+_ATTR_MEM = h5py.h5t.py_create(_STR)                # and its in-memory (object) type
+
+
+def _write_contiguous(group: h5py.Group, name: str, arr: np.ndarray, dtype: str) -> None:
+    """`group[name] = arr` uncompressed, in one contiguous block, with its "dtype" attribute:
+    what create_dataset + attrs write, through h5py's low-level API (a third of the cost per
+    dataset, which matters at one dataset per record)."""
+    h5s, h5t = h5py.h5s, h5py.h5t
+    space = h5s.create_simple(arr.shape) if arr.ndim else h5s.create(h5s.SCALAR)
+    ds = h5py.h5d.create(group.id, name.encode(), h5t.py_create(arr.dtype), space)
+    ds.write(h5s.ALL, h5s.ALL, arr)
+    attr = h5py.h5a.create(ds, b"dtype", _ATTR_STR, h5s.create(h5s.SCALAR))
+    attr.write(np.array(dtype, dtype=_STR), mtype=_ATTR_MEM)
 
 
 def _chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = 1 << 20) -> tuple[int, ...]:
