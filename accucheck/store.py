@@ -193,6 +193,7 @@ class CaptureWriter:
         self.store = store
         self.compression = compression
         self._rows: list[tuple] = []
+        self._block = np.empty((256, len(STAT_FIELDS) + SAMPLE_SIZE))  # their stats + sample
         self._n = 0
         self._seen: set[str] = set()
         self._shared: dict[str, str] = {}  # share -> dataset name (see add)
@@ -387,14 +388,19 @@ class CaptureWriter:
             and stats.dtype == np.float64 else np.asarray(stats, dtype=np.float64).reshape(-1)
         if row.size not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
             raise ValueError(f"stats row of {row.size} values for {skey}")
-        sample = row[len(STAT_FIELDS):] if row.size > len(STAT_FIELDS) \
-            else np.full(SAMPLE_SIZE, np.nan)
         shape_key = tuple(shape)
         shape_json = self._shapes.get(shape_key)
         if shape_json is None:
             shape_json = self._shapes[shape_key] = json.dumps([int(s) for s in shape])
-        self._rows.append((skey, kind, dtype, shape_json, name, int(checksum),
-                           row[:len(STAT_FIELDS)], extra, sample))
+        k = len(self._rows)
+        if k == len(self._block):  # statistics and samples of the buffered rows, one block
+            grown = np.empty((2 * k, self._block.shape[1]))
+            grown[:k] = self._block
+            self._block = grown
+        self._block[k, :row.size] = row
+        if row.size == len(STAT_FIELDS):
+            self._block[k, len(STAT_FIELDS):] = np.nan
+        self._rows.append((skey, kind, dtype, shape_json, name, int(checksum), None, extra, None))
 
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
@@ -440,11 +446,13 @@ class CaptureWriter:
                             (5, "checksum"), (7, "extra")):
                 ds = idx[name]
                 ds.resize((n0 + k,))
-                ds[n0:] = np.asarray(cols[j], dtype=object if name != "checksum" else np.int64)
-            for j, name in ((6, "stats"), (8, "sample")):
+                ds[n0:] = np.asarray(cols[j], dtype=np.int64) if name == "checksum" else \
+                    np.asarray([v.encode() for v in cols[j]], dtype=object)  # UTF-8, as h5py
+            for name, block in (("stats", self._block[:k, :len(STAT_FIELDS)]),
+                                ("sample", self._block[:k, len(STAT_FIELDS):])):
                 ds = idx[name]
                 ds.resize((n0 + k, ds.shape[1]))
-                ds[n0:] = np.stack(cols[j])
+                ds[n0:] = block
             self._n += k
             self._rows.clear()
 
