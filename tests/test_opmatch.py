@@ -220,7 +220,8 @@ def test_align_captures_pairs_outputs_and_inputs_by_slot_fused_by_output_only(tm
         (0, "aten.pow.Tensor_Scalar", 0, {"in.0": H, "out.0": H}, "m.py:1 in f"),
         (0, "aten.mean.dim", 1, {"in.0": H, "out.0": R}, "m.py:2 in f"),
         (0, "aten.mul.Tensor", 2, {"in.0": H, "in.1": R, "out.0": H}, "m.py:3 in f"),
-        (0, "aten.mm.default", 3, {"in.0": H, "out.0": (5, 256)}, "m.py:4 in f")])
+        (0, "aten.mm.default", 3, {"in.0": H, "in.1": (256, 256), "out.0": (5, 256)},
+         "m.py:4 in f")])
     cand = _op_capture(tmp_path / "c.h5", [
         (0, "npu.npu_rms_norm.default", 0, {"in.0": H, "in.1": (256,), "out.0": H}, "n.py:9"),
         (0, "aten.mm.default", 1, {"in.0": H, "in.2": H, "out.0": (5, 256)}, "")])
@@ -231,7 +232,7 @@ def test_align_captures_pairs_outputs_and_inputs_by_slot_fused_by_output_only(tm
     assert got == [
         # fused: the chain's last op against the kernel, outputs only (inputs differ in kind)
         (f"{mod}aten.mul.Tensor@2:out.0", f"{mod}npu.npu_rms_norm.default@0:out.0"),
-        # aligned: output, then the inputs both sides have (slot 0; slot 2 is cand only)
+        # aligned: output, then the inputs both sides have (slot 0; 1 is ref only, 2 cand only)
         (f"{mod}aten.mm.default@3:out.0", f"{mod}aten.mm.default@1:out.0"),
         (f"{mod}aten.mm.default@3:in.0", f"{mod}aten.mm.default@1:in.0")]
     assert [(m.kind, m.ref.split("/")[1], m.cand.split("/")[1]) for m in al.matches] == [
