@@ -323,7 +323,7 @@ DAMAGE = [
     (_delete("index/stats"), "/index/stats is missing"),
     (_delete("requests"), "/requests is missing"),
     (_delete("requests/0/prompt_ids"), "/requests/0/prompt_ids is missing"),
-    (_delete("tensors/00000010"), "its tensor /tensors/00000010 is missing"),
+    (_delete("tensors/00000011"), "its tensor /tensors/00000011 is missing"),
     (_bad_key, "/index/key row 3 is 'garbage', not a record key"),
     (_nan_count, "/index/stats row 2 has counts"),
     (_short_column, "the /index columns have different lengths"),
