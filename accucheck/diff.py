@@ -48,6 +48,7 @@ from accucheck.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                   loosest_dtype)
+from accucheck.weights import weight_notes
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
 Progress = Callable[[str], None]
@@ -382,6 +383,7 @@ class _Differ:
     # -- main
     def run(self) -> DiffResult:
         limits, flip = self._token_limits()
+        self.notes += weight_notes(self.R.meta, self.C.meta)  # accucheck.weights
         glimits = self._golden_limits() if self.G is not None else {}
 
         def comparable(key: RecordKey, lim: dict) -> bool:

@@ -6,10 +6,12 @@ cannot load (a custom nn.Module, a model already in memory).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import json
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -24,6 +26,7 @@ from accucheck.capture import device as dev
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.recorder import Recorder, select_modules
+from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
 from accucheck.store import CaptureWriter, open_capture
@@ -131,7 +134,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     Options come as a CaptureOptions or as its fields in **kwargs. The model is not modified:
     if `opts.dtype` or `opts.device` differ from the model's, a copy is converted; hooks are
     removed afterwards, also on error. `progress` gets a line about every 2 s of a long capture
-    (prompt, step, records so far). Returns the path of the complete capture.
+    (prompt, step, records so far) and, in graph mode, one every 5 s while torch.compile works
+    ("capture: compiling (inductor), 65 s"; the total goes into meta "compile_seconds"). Returns the path of the complete capture.
 
     Every input and option is checked before `out` is created or touched; an existing `out`
     (with force) is replaced only when the new capture is complete. Raises UserError for bad
@@ -170,6 +174,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                   "config": _config_dict(model),
                   "attn_implementation": getattr(getattr(model, "config", None),
                                                  "_attn_implementation", None)},
+        "weights": weight_table(model),  # per weight: checksum + samples (accucheck.weights)
+        "stats_kernel": kernel_status(),
         "modules": modules,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
@@ -190,11 +196,13 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     complete = False
     before = _compile_stats() if opts.mode == "graph" else {}
     ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
+    compiling = CompileProgress(progress, backend_name) if opts.mode == "graph" else None
     try:
-        with interruptible() as guard, recorder.hooks(), _dynamo_quiet(opts.mode):
+        with interruptible() as guard, recorder.hooks(), _dynamo_quiet(opts.mode), \
+                (compiling or contextlib.nullcontext()):
             # hooks are in place BEFORE compilation: hooks added later never fire in the graph
-            forward = torch.compile(model, backend=backend, dynamic=True) \
-                if opts.mode == "graph" else model
+            forward = compiling.watch(torch.compile(model, backend=backend, dynamic=True)) \
+                if compiling is not None else model
             for r, ids in enumerate(prompt_ids):
                 def on_step(step, r=r):
                     guard.check()
@@ -213,7 +221,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if getattr(recorder, "shadow_counts", None) is not None:
             writer.update_meta(shadow_replay=recorder.shadow_counts)
         if opts.mode == "graph":
-            writer.update_meta(compile_stats=_compile_stats(before))
+            writer.update_meta(compile_stats=_compile_stats(before),
+                               compile_seconds=round(compiling.seconds, 3))
         complete = True
     except KeyboardInterrupt as e:
         writer.close(complete=False)
@@ -259,6 +268,116 @@ def _shadow_source(opts: CaptureOptions):
     from accucheck.capture.shadow import ShadowSource
 
     return ShadowSource(opts.shadow)
+
+
+class CompileProgress:
+    """Graph mode: while torch.compile and its backend compile (minutes on a real model, at the
+    first forward and at a recompilation), a background thread says so every `every`
+    seconds to the progress callback: "capture: compiling (inductor), 12 s". `seconds` adds up
+    the time spent compiling (the capture's meta "compile_seconds").
+
+    Compilations are seen through dynamo's compile callbacks (torch._dynamo.callback, where
+    this torch has them); without them, the first call of the watched forward counts as the
+    compilation. Use as a context manager around the capture (starts / stops the thread and
+    the callbacks) and `watch` the compiled forward. `clock` is injectable; `tick()` is one
+    poll of the thread (tests call it directly)."""
+
+    every = 5.0
+
+    def __init__(self, out: Callable[[str], None] | None, label: str | None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.out, self.label, self.clock = out, label or "torch.compile", clock
+        self.seconds = 0.0
+        self._started: float | None = None
+        self._depth = 0
+        self._lock = threading.Lock()
+        self._begun = threading.Event()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._callbacks = False
+        self._calls = 0
+
+    # compilation boundaries (dynamo's callbacks, or the first forward)
+    def start(self, _args=None) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self._started = self.clock()
+                self._begun.set()
+
+    def end(self, _args=None) -> None:
+        with self._lock:
+            if self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth == 0 and self._started is not None:
+                self.seconds += self.clock() - self._started
+                self._started = None
+
+    def tick(self) -> bool:
+        """One progress line if a compilation is running; False when none is."""
+        with self._lock:
+            started = self._started
+            if started is None:
+                self._begun.clear()
+                return False
+        if self.out is not None:
+            self.out(f"capture: compiling ({self.label}), {self.clock() - started:.0f} s")
+        return True
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            self._begun.wait()
+            while not self._halt.wait(self.every):
+                if not self.tick():
+                    break
+
+    def watch(self, forward: Callable) -> Callable:
+        """`forward`, whose first call is timed as the compilation when dynamo has no compile
+        callbacks."""
+        if self._callbacks:
+            return forward
+
+        def first_call_compiles(*args, **kwargs):
+            self._calls += 1
+            if self._calls > 1:
+                return forward(*args, **kwargs)
+            self.start()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.end()
+        return first_call_compiles
+
+    def __enter__(self) -> "CompileProgress":
+        try:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self.start)
+            callback_handler.register_end_callback(self.end)
+            self._callbacks = True
+        except (ImportError, AttributeError):
+            self._callbacks = False
+        if self.out is not None:
+            self._thread = threading.Thread(target=self._run, name="accucheck-compile-progress",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._halt.set()
+        self._begun.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._callbacks:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.remove_start_callback(self.start)
+            callback_handler.remove_end_callback(self.end)
+        with self._lock:  # a compilation interrupted by an error still counts
+            if self._started is not None:
+                self.seconds += self.clock() - self._started
+                self._started = None
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],

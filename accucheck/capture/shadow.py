@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.recorder import Recorder, _Frame, _Pending, flatten
+from accucheck.capture.recorder import Recorder, _Frame, flatten
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureReader, CaptureWriter, open_capture
@@ -177,6 +177,8 @@ class ShadowRecorder(Recorder):
     `shadow_counts` says how many calls were replayed / skipped.
     """
 
+    _merged_exit = False  # ops are attributed to the innermost open call: close it first
+
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
                  shadow: ShadowSource | None = None):
@@ -186,8 +188,6 @@ class ShadowRecorder(Recorder):
                             "attribution run module by module)")
         self.shadow = shadow
         self.shadow_counts = {"replayed": 0, "skipped": 0, "skipped_why": {}}
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._param_cache: dict[tuple, tuple] = {}
 
     def _make_hook(self, name: str, role: str):
         inner = super()._make_hook(name, role)
@@ -195,6 +195,8 @@ class ShadowRecorder(Recorder):
         def hook(*args):
             if self._pause:
                 return None
+            if not torch._C._len_torch_dispatch_stack():
+                return inner(*args)
             with _no_dispatch_modes():  # its statistics are not ops of the model
                 return inner(*args)
         return hook
@@ -248,26 +250,6 @@ class ShadowRecorder(Recorder):
         self.shadow_counts["replayed"] += 1
         for slot, t in flatten(out):
             self._pending.append(self.item(name, "shadow", slot, t, call))
-
-    def item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
-             op: str | None = None, op_index: int | None = None, extra: dict | None = None,
-             kind: str = "module") -> _Pending:
-        """A record with its key parts fixed now (statistics on the device, copy to the host
-        in full mode); a weight's statistics and copy are made once and reused."""
-        ck = None
-        if self._param_ptrs and t.untyped_storage().data_ptr() in self._param_ptrs:
-            # a weight (or a view of one, e.g. mm's transposed weight): same every call
-            ck = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                  tuple(t.stride()), t.dtype)
-            hit = self._param_cache.get(ck)
-            if hit is not None:
-                return _Pending(module, role, slot, kind, None, hit[0], hit[1], hit[2],
-                                tuple(t.shape), op, op_index, call, extra)
-        with self.paused(), _no_dispatch_modes():
-            p = super().item(module, role, slot, t, call, op, op_index, extra, kind)
-        if ck is not None:
-            self._param_cache[ck] = (p.stats, p.host, p.dtype)
-        return p
 
     # -- hooks ---------------------------------------------------------------------------
     @contextmanager

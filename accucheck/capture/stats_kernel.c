@@ -1,0 +1,153 @@
+/* accucheck statistics kernel: every per-record statistic of a contiguous CPU tensor in ONE pass.
+ *
+ * Built on first use by accucheck/capture/stats.py (cc -O3 -shared, plus -mavx2 -mfma -mf16c
+ * where the CPU has them) into the accucheck cache and called through ctypes; without a C
+ * compiler the recorder uses its torch kernels instead (same statistics).
+ *
+ * accucheck_stats_<dtype>(x, n, out) writes the raw statistics row that
+ * accucheck.capture.recorder.tensor_stats produces, as RAW doubles:
+ *   out[0..3]  min, max, sum, L2 norm   (NaN-poisoned like torch: min = max = NaN when a NaN is
+ *                                        present; sum / L2 propagate NaN / Inf)
+ *   out[4..6]  NaN, Inf and zero counts (exact)
+ *   out[7]     checksum: the sum of the raw bit patterns as signed integers, mod 2**52 (exact)
+ *   out[8..]   SAMPLE values at flat positions (j * (n - 1)) / (SAMPLE - 1), NaN-padded when
+ *              n < SAMPLE (every element then)
+ * Sums and sums of squares are accumulated in double lanes (float * float is exact in double),
+ * so they are at least as accurate as torch's float32 reductions. Integer lane counters are
+ * 32-bit inside a block of BLOCK elements (no overflow: BLOCK / LANES elements per lane).
+ * Returns 0; n must be >= 1.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define LANES 8
+#define BLOCK 1024
+#define SAMPLE 64
+#define MASK52 ((uint64_t)0xFFFFFFFFFFFFFull)
+
+static void sample_positions(int64_t n, int64_t *pos) {
+    for (int j = 0; j < SAMPLE; j++) pos[j] = n >= SAMPLE ? (j * (n - 1)) / (SAMPLE - 1) : j;
+}
+
+static void finish(double *out, double mn, double mx, double s, double q, int64_t nan_,
+                   int64_t inf_, int64_t zero, uint64_t bits) {
+    if (nan_) { mn = NAN; mx = NAN; }
+    out[0] = mn; out[1] = mx; out[2] = s; out[3] = sqrt(q);
+    out[4] = (double)nan_; out[5] = (double)inf_; out[6] = (double)zero;
+    out[7] = (double)(bits & MASK52);  /* == Python's (sum mod 2**52): 2**52 divides 2**64 */
+}
+
+/* The lane loop shared by float32 and the 16-bit types: V(j) is element j of the block as a
+ * float, W(j) its raw bits as a signed int32; ABSMASK / EXPMASK classify NaN / Inf / zero on
+ * the bits. Sums in double lanes (float * float products are exact in double). */
+#define LANE_LOOP(V, W, ABSMASK, EXPMASK)                                                        \
+        double fs[LANES] = {0}, fq[LANES] = {0};                                                 \
+        int32_t z[LANES] = {0}, na[LANES] = {0}, in[LANES] = {0}, hi[LANES] = {0}, lo[LANES] = {0}; \
+        for (int j = 0; j < BLOCK; j += LANES) {                                                 \
+            for (int k = 0; k < LANES; k++) {                                                    \
+                float v = V(j + k); int32_t w = W(j + k); int32_t a = w & ABSMASK;               \
+                mn[k] = v < mn[k] ? v : mn[k]; mx[k] = v > mx[k] ? v : mx[k];                    \
+                fs[k] += v; fq[k] += (double)v * v;                                              \
+                z[k] += a == 0; na[k] += a > EXPMASK; in[k] += a == EXPMASK;                     \
+                hi[k] += w >> 16; lo[k] += w & 0xFFFF;                                           \
+            }                                                                                    \
+        }                                                                                        \
+        int64_t h = 0, l = 0;                                                                    \
+        for (int k = 0; k < LANES; k++) {                                                        \
+            s += fs[k]; q += fq[k]; cz += z[k]; cn += na[k]; ci += in[k]; h += hi[k]; l += lo[k]; \
+        }                                                                                        \
+        bs += (uint64_t)h * 65536u + (uint64_t)l;
+
+/* A whole kernel: WIDEN(xb) prepares the block (16-bit types: into float / int32 buffers, in
+ * a loop of its own so that both loops vectorize), LOAD(x, i) / BITS(x, i) read element i. */
+#define KERNEL(NAME, T, WIDEN, V, W, LOAD, BITS, ABSMASK, EXPMASK)                               \
+int NAME(const T *x, int64_t n, double *out) {                                                   \
+    float mn[LANES], mx[LANES];                                                                  \
+    for (int k = 0; k < LANES; k++) { mn[k] = INFINITY; mx[k] = -INFINITY; }                     \
+    double s = 0, q = 0; int64_t cz = 0, cn = 0, ci = 0; uint64_t bs = 0;                         \
+    float vb[BLOCK]; int32_t wb[BLOCK]; (void)vb; (void)wb;                                      \
+    int64_t i = 0;                                                                               \
+    for (; i + BLOCK <= n; i += BLOCK) {                                                         \
+        const T *xb = x + i; (void)xb;                                                           \
+        WIDEN(xb)                                                                                \
+        LANE_LOOP(V, W, ABSMASK, EXPMASK)                                                        \
+    }                                                                                            \
+    float gmn = INFINITY, gmx = -INFINITY;                                                       \
+    for (int k = 0; k < LANES; k++) { gmn = mn[k] < gmn ? mn[k] : gmn; gmx = mx[k] > gmx ? mx[k] : gmx; } \
+    for (; i < n; i++) {                                                                         \
+        float v = LOAD(x, i); int32_t w = BITS(x, i); int32_t a = w & ABSMASK;                   \
+        gmn = v < gmn ? v : gmn; gmx = v > gmx ? v : gmx; s += v; q += (double)v * v;            \
+        cz += a == 0; cn += a > EXPMASK; ci += a == EXPMASK; bs += (uint64_t)(int64_t)w;         \
+    }                                                                                            \
+    finish(out, gmn, gmx, s, q, cn, ci, cz, bs);                                                 \
+    int64_t pos[SAMPLE]; sample_positions(n, pos);                                               \
+    for (int j = 0; j < SAMPLE; j++) out[8 + j] = j < n ? (double)LOAD(x, pos[j]) : NAN;          \
+    return 0;                                                                                    \
+}
+
+typedef union { uint32_t u; float f; } pun32;
+static inline float bf16_value(uint16_t b) { pun32 p; p.u = (uint32_t)b << 16; return p.f; }
+
+/* float32: read in place */
+#define NO_WIDEN(xb)
+#define F32_V(j) (xb[j])
+#define F32_W(j) (((const int32_t *)xb)[j])
+#define F32_LOAD(x, i) ((x)[i])
+#define F32_BITS(x, i) (((const int32_t *)(x))[i])
+KERNEL(accucheck_stats_f32, float, NO_WIDEN, F32_V, F32_W, F32_LOAD, F32_BITS,
+       0x7FFFFFFF, 0x7F800000)
+
+/* 16-bit: widened block by block */
+#define BUF_V(j) (vb[j])
+#define BUF_W(j) (wb[j])
+#define I16_BITS(x, i) ((int32_t)((const int16_t *)(x))[i])
+#define BF16_LOAD(x, i) bf16_value((x)[i])
+#define BF16_WIDEN(xb) for (int j = 0; j < BLOCK; j++) { vb[j] = BF16_LOAD(xb, j); wb[j] = I16_BITS(xb, j); }
+KERNEL(accucheck_stats_bf16, uint16_t, BF16_WIDEN, BUF_V, BUF_W, BF16_LOAD, I16_BITS,
+       0x7FFF, 0x7F80)
+
+#ifdef __FLT16_MAX__
+#define F16_LOAD(x, i) ((float)((const _Float16 *)(x))[i])
+#define F16_WIDEN(xb) for (int j = 0; j < BLOCK; j++) { vb[j] = F16_LOAD(xb, j); wb[j] = I16_BITS(xb, j); }
+KERNEL(accucheck_stats_f16, uint16_t, F16_WIDEN, BUF_V, BUF_W, F16_LOAD, I16_BITS,
+       0x7FFF, 0x7C00)
+int accucheck_has_f16(void) { return 1; }
+#else
+int accucheck_stats_f16(const uint16_t *x, int64_t n, double *out) { (void)x; (void)n; (void)out; return -1; }
+int accucheck_has_f16(void) { return 0; }
+#endif
+
+/* float64: double lanes, 64-bit counters and a wrapping 64-bit bit-pattern sum (torch's int64
+ * sum wraps the same way; 2**52 divides 2**64, so the checksum is exact). */
+int accucheck_stats_f64(const double *x, int64_t n, double *out) {
+    double mn[LANES], mx[LANES], fs[LANES] = {0}, fq[LANES] = {0};
+    int64_t z[LANES] = {0}, na[LANES] = {0}, in[LANES] = {0}; uint64_t bs[LANES] = {0};
+    for (int k = 0; k < LANES; k++) { mn[k] = INFINITY; mx[k] = -INFINITY; }
+    const int64_t *bits = (const int64_t *)x;
+    const int64_t ABS = 0x7FFFFFFFFFFFFFFFll, EXP = 0x7FF0000000000000ll;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int k = 0; k < LANES; k++) {
+            double v = x[i + k]; int64_t w = bits[i + k]; int64_t a = w & ABS;
+            mn[k] = v < mn[k] ? v : mn[k]; mx[k] = v > mx[k] ? v : mx[k];
+            fs[k] += v; fq[k] += v * v;
+            z[k] += a == 0; na[k] += a > EXP; in[k] += a == EXP; bs[k] += (uint64_t)w;
+        }
+    }
+    double gmn = INFINITY, gmx = -INFINITY, s = 0, q = 0; int64_t cz = 0, cn = 0, ci = 0;
+    uint64_t b = 0;
+    for (int k = 0; k < LANES; k++) {
+        gmn = mn[k] < gmn ? mn[k] : gmn; gmx = mx[k] > gmx ? mx[k] : gmx;
+        s += fs[k]; q += fq[k]; cz += z[k]; cn += na[k]; ci += in[k]; b += bs[k];
+    }
+    for (; i < n; i++) {
+        double v = x[i]; int64_t w = bits[i]; int64_t a = w & ABS;
+        gmn = v < gmn ? v : gmn; gmx = v > gmx ? v : gmx; s += v; q += v * v;
+        cz += a == 0; cn += a > EXP; ci += a == EXP; b += (uint64_t)w;
+    }
+    finish(out, gmn, gmx, s, q, cn, ci, cz, b);
+    int64_t pos[SAMPLE]; sample_positions(n, pos);
+    for (int j = 0; j < SAMPLE; j++) out[8 + j] = j < n ? x[pos[j]] : NAN;
+    return 0;
+}
