@@ -37,8 +37,8 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
                             when numel < 64): the same positions on every device for the same
                             shape, so two stats-mode captures can estimate rel_l2 from it
-    /tensors/<8 digits>     the tensor in its original dtype and shape (contiguous; chunked
-                            with --compression gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
+    /tensors/<8 digits>     the tensor in its original dtype and shape (chunked, optional
+                            gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
                             gives the exact values.
     /requests/<i>/prompt_ids     int64 token ids of prompt i
@@ -310,15 +310,7 @@ class CaptureWriter:
         second failing close crashes h5py), so its file descriptor is pointed at /dev/null
         first: what it still writes is dropped and the file keeps what was flushed."""
         self._closed = True
-        try:
-            fd = self._f.id.get_vfd_handle()
-            null = os.open(os.devnull, os.O_RDWR)
-            try:
-                os.dup2(null, int(fd))
-            finally:
-                os.close(null)
-        except Exception:
-            pass
+        _write_to_null(self._f.id)
         self._close_file()
         self._stopped()
 
@@ -373,15 +365,16 @@ class CaptureWriter:
             arr = np.ascontiguousarray(data) if np.ndim(data) else np.asarray(data)  # 0-d stays
             self._room(arr.nbytes + 4096)
             with self._io():
-                if self.compression is None and arr.size and arr.dtype.kind in "fiu":
-                    _write_contiguous(self._f["tensors"], name, arr, dtype)
-                else:
-                    chunked = arr.size and arr.ndim  # scalars and empty arrays are not
-                    ds = self._f["tensors"].create_dataset(
-                        name, data=arr,
-                        chunks=_chunk_shape(arr.shape, arr.itemsize) if chunked else None,
-                        compression=self.compression if chunked else None)
-                    ds.attrs["dtype"] = dtype
+                # chunked, with no chunk cache (rdcc_nbytes=0): the data is written here, so a
+                # full disk fails here. (A contiguous dataset was a third cheaper per record,
+                # but HDF5 buffers its data until the id is released, where a full disk
+                # crashed h5py.)
+                chunked = arr.size and arr.ndim  # scalars and empty arrays are not
+                ds = self._f["tensors"].create_dataset(
+                    name, data=arr,
+                    chunks=_chunk_shape(arr.shape, arr.itemsize) if chunked else None,
+                    compression=self.compression if chunked else None)
+                ds.attrs["dtype"] = dtype
             if share is not None:
                 self._shared[share] = name
         row = stats if type(stats) is np.ndarray and stats.ndim == 1 \
@@ -501,20 +494,19 @@ def _split_axis(shape: tuple[int, ...], max_elems: int) -> tuple[int, int]:
     return k, max(1, min(shape[k], max_elems // max(inner, 1)))
 
 
-_ATTR_STR = h5py.h5t.py_create(_STR, logical=True)  # the file type of a str attribute
-_ATTR_MEM = h5py.h5t.py_create(_STR)                # and its in-memory (object) type
-
-
-def _write_contiguous(group: h5py.Group, name: str, arr: np.ndarray, dtype: str) -> None:
-    """`group[name] = arr` uncompressed, in one contiguous block, with its "dtype" attribute:
-    what create_dataset + attrs write, through h5py's low-level API (a third of the cost per
-    dataset, which matters at one dataset per record)."""
-    h5s, h5t = h5py.h5s, h5py.h5t
-    space = h5s.create_simple(arr.shape) if arr.ndim else h5s.create(h5s.SCALAR)
-    ds = h5py.h5d.create(group.id, name.encode(), h5t.py_create(arr.dtype), space)
-    ds.write(h5s.ALL, h5s.ALL, arr)
-    attr = h5py.h5a.create(ds, b"dtype", _ATTR_STR, h5s.create(h5s.SCALAR))
-    attr.write(np.array(dtype, dtype=_STR), mtype=_ATTR_MEM)
+def _write_to_null(fid) -> None:
+    """Point the file descriptor of the open HDF5 file `fid` at /dev/null: after a write failed
+    for lack of space, what HDF5 still writes (closing ids, the file) is dropped, and the file
+    keeps what was flushed."""
+    try:
+        fd = fid.get_vfd_handle()
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, int(fd))
+        finally:
+            os.close(null)
+    except Exception:
+        pass
 
 
 def _chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = 1 << 20) -> tuple[int, ...]:
