@@ -347,19 +347,16 @@ class _Producers:
 
     def find(self, t: torch.Tensor, ident=None, view: tuple | None = None) -> _Pending | None:
         """The record `t` is (or is a view of), if any."""
-        ident = ident or _identity(t)
-        live = self._live(ident) if ident is not None else None
-        if live is None:
-            return None
-        view = view or _view(t)
-        for e in reversed(live):
-            if e[1] == view:
-                return e[2]
-        return live[-1][2]
+        return self._match(t, ident or _identity(t), view, exact=False)
 
     def same(self, t: torch.Tensor, ident, view: tuple | None = None) -> _Pending | None:
         """The record of exactly this tensor (storage, version, view, dtype), if any: the same
         values, so the same statistics (and, in full mode, the same dataset)."""
+        return self._match(t, ident, view, exact=True)
+
+    def _match(self, t, ident, view, exact: bool) -> _Pending | None:
+        """The latest live record of `t`'s storage and version with `t`'s view; else, unless
+        `exact`, the latest one of any view."""
         live = self._live(ident) if ident is not None else None
         if live is None:
             return None
@@ -367,7 +364,7 @@ class _Producers:
         for e in reversed(live):
             if e[1] == view:
                 return e[2]
-        return None
+        return None if exact else live[-1][2]
 
 
 _SLOTS: dict[Any, str] = {}
