@@ -111,6 +111,29 @@ def test_diffuse_needs_records_over_and_no_first_divergence():
 
 # ----------------------------------------------------------------- locate: verdict lists
 
+def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
+    import h5py
+    from test_verdicts import Run, cap
+
+    from accucheck.errors import UserError
+    from accucheck.locate import analyze
+
+    run = Run()
+    run.add("r0.s0:model.embed_tokens#0:out.0")
+    for i in range(11):
+        run.add(f"r0.s0:model.layers.{i}.mlp#0:out.0", (i + 1) * 1e-3,
+                src={"0": "model.embed_tokens#0:out.0"})
+    r = cap(tmp_path / "r.h5", run.ref, gen=((4,),))
+    c = cap(tmp_path / "c.h5", run.cand, gen=((4,),))
+    want = [f"model.layers.{i}.mlp" for i in range(10, 0, -1)]
+    assert [x.key.module for x in analyze(r, c).location.top] == want
+    with h5py.File(c, "r+") as f:
+        f.attrs["complete"] = False
+    with pytest.raises(UserError, match="incomplete capture"):
+        analyze(r, c)
+    assert [x.key.module for x in analyze(r, c, allow_incomplete=True).location.top] == want
+
+
 def test_amplification_of_one_is_allowed_below_one_refused():
     d = D().add("r0.s0:e#0:out.0").add("r0.s0:a#0:out.0", 0.02, src={"0": "e#0:out.0"}) \
         .add("r0.s0:b#0:out.0", 0.03, src={"0": "a#0:out.0"})
@@ -382,7 +405,7 @@ def test_parents_ops_in_their_call_and_modules_in_the_nearest_recorded_prefix():
     assert fd.path == ("m.layers.0", "m.layers.0.mlp")
     locs = _locs(L)
     assert locs[f"{mlp}:out.0"].inner_error == 2.2e-2
-    assert L.records[-3].key.module == "m.layers.0" and L.records[-3].inner_error == 2.2e-2
+    assert locs["r0.s0:m.layers.0#0:out.0"].inner_error == 2.2e-2
     o = locs["r0.s0:m.layers.0.self_attn.o_proj#0:out.0"]
     assert (o.input_basis, o.input_error, o.cause) == ("proxy", 2.2e-2, "inherited")
     assert locs["r0.s0:enc#0:out.0"].inner_error == 2.2e-2
