@@ -165,6 +165,9 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/locate.py", _exact("if (other.module == self.module and other.call == self.call):"),
      "a module node's candidate parents are strict prefixes of it: other.module == self.module "
      "only for ops"),
+    ("accucheck/locate.py", _exact("if (other.op is not None and other.call == self.call):"),
+     "an op's candidate parents are its own module and that module's prefixes: for a prefix, "
+     "other.module != self.module but the startswith test below returns True as well"),
     ("accucheck/locate.py", _exact("n.order = (r.order)"), "records are walked in order: r.order "
      ">= n.order, so the max is r.order"),
     ("accucheck/locate.py", _exact('cands += [".".join(parts[:i]) for i in range((len(parts) + 1)'
