@@ -192,6 +192,8 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/culprit.py", _exact("if not r.dtype_mismatch or compute[1] is None or compute[0] "
                                     "!= compute[1]:"),
      "reached only when compute[0] == compute[1]: then compute[0] is None iff compute[1] is"),
+    ("accucheck/culprit.py", _exact("if (not ops and target.basis != 'shape'):"),
+     "an op culprit is itself an op output of its module call, so `ops` is never empty then"),
     ("accucheck/culprit.py", _exact('return int(ident.rsplit("@", 2)[1])'),
      "an op ident holds one '@' (module paths and op names have none)"),
     ("accucheck/culprit.py", r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",

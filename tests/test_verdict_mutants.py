@@ -610,6 +610,9 @@ def test_shadow_culprit_and_golden_label():
         (2e-2, "shadow", 2e-2, "cand worse")
     d = D().add("r0.s0:m#0:out.0", 3e-2)
     assert d.analysis().culprit.golden is None
+    # the first record (nothing known to feed it): the shadow error is still the local one
+    c = D().add("r0.s0:m#0:out.0", 3e-2, shadow=2e-2).analysis().culprit
+    assert (c.local_error, c.local_basis, c.inherited_error) == (2e-2, "shadow", None)
 
 
 def test_precision_finding_needs_a_dtype_mismatch_inside_one_run_dtype():
