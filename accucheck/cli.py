@@ -211,10 +211,10 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
          amplification, allow_incomplete, allow_model_mismatch):
     """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
     3 unreadable / incomplete / incompatible captures."""
-    from accucheck.diff import diff_captures
+    from accucheck.compare.diff import diff_captures
     from accucheck.locate import Analysis, locate
     from accucheck.report import render, verdict_line
-    from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
+    from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
     for v, flag in ((rel_l2, "--rel-l2"), (rtol, "--rtol"), (atol, "--atol")):
         if v is not None and not v >= 0:

@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from accucheck.diff import RecordDiff
+from accucheck.compare.diff import RecordDiff
 from accucheck.keys import RecordKey
-from accucheck.opmatch import op_ident
+from accucheck.compare.opmatch import op_ident
 
 if TYPE_CHECKING:
     from accucheck.locate import Analysis, RecordLocation

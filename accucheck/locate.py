@@ -28,14 +28,14 @@ then capture order), that is over tolerance AND introduced; children run (and ar
 before their enclosing module and ops before their module's output, so the walk names the
 innermost recorded culprit, and inside it the first op that introduces the error (the root,
 not the largest). With a golden referee, "over tolerance" means the referee marks the record
-"cand worse" (accucheck.diff). When records are over tolerance but none introduces the error,
+"cand worse" (accucheck.compare.diff). When records are over tolerance but none introduces the error,
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
 Noise floor (no golden referee): a record that amplifies what feeds it far more than its peers
 do (the same module kind, operator and slot in nearby layers, same request and step) is
 "suspicious", also within tolerance (see `noise_floor`; the numbers are in
-accucheck.tolerances, NOISE_FLOOR_*).
+accucheck.compare.tolerances, NOISE_FLOOR_*).
 
 Errors are tensor-level rel_l2 (or its proven lower bound from statistics): a moved minimum or
 a single near-zero element never makes a culprit on its own.
@@ -50,11 +50,11 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from accucheck.diff import DiffResult, Progress, RecordDiff, diff_captures
+from accucheck.compare.diff import DiffResult, Progress, RecordDiff, diff_captures
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
 from accucheck.keys import RecordKey, is_layer_block, layer_of
-from accucheck.metrics import TensorMetrics
-from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                   NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
                                   NOISE_FLOOR_WINDOW, ToleranceTable)
 

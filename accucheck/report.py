@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from accucheck.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
+from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.locate import Analysis, Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")

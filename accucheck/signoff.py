@@ -31,7 +31,7 @@ from typing import Callable
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, UserError
 from accucheck.locate import Analysis, analyze
 from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
-from accucheck.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
+from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 
 Progress = Callable[[str], None]
 REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")

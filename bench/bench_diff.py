@@ -100,7 +100,7 @@ def import_time(repeat: int = 7) -> float:
     """Whole process: python + every module on the diff path (cli, diff, locate, report,
     store/h5py, numpy, click, tabulate)."""
     ts = []
-    code = ("import accucheck.cli, accucheck.diff, accucheck.locate, accucheck.report, tabulate, "
+    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.locate, accucheck.report, tabulate, "
             "sys; assert 'torch' not in sys.modules")
     for _ in range(repeat):
         t = time.perf_counter()

@@ -2,8 +2,8 @@
 """Mutation testing for accucheck's verdict code: a developer tool (too slow for .ci/run).
 
     python scripts/mutants.py                                  # every verdict module
-    python scripts/mutants.py --modules accucheck/metrics.py --list
-    python scripts/mutants.py --modules accucheck/opmatch.py --only accucheck/opmatch.py:151
+    python scripts/mutants.py --modules accucheck/compare/metrics.py --list
+    python scripts/mutants.py --modules accucheck/compare/opmatch.py --only accucheck/compare/opmatch.py:151
     python scripts/mutants.py --changed origin/main -m ""   # lines changed since a ref, slow too
 
 Each mutant is ONE deliberate bug on one source line (generated from the AST, applied as a
@@ -52,18 +52,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_MODULES = ("accucheck/locate.py", "accucheck/culprit.py", "accucheck/diff.py",
-                   "accucheck/tolerances.py", "accucheck/metrics.py", "accucheck/opmatch.py",
+DEFAULT_MODULES = ("accucheck/locate.py", "accucheck/culprit.py", "accucheck/compare/diff.py",
+                   "accucheck/compare/tolerances.py", "accucheck/compare/metrics.py", "accucheck/compare/opmatch.py",
                    "accucheck/signoff.py", "accucheck/report.py")
 
 # Module -> the test files that cover it, fastest first (pytest -x stops at the first failure).
 # A module not listed here runs tests/test_<name>.py.
 TESTS: dict[str, tuple[str, ...]] = {
-    "accucheck/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
-    "accucheck/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
+    "accucheck/compare/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
+    "accucheck/compare/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
                                 "tests/test_cli_diff.py"),
-    "accucheck/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
-    "accucheck/diff.py": ("tests/test_diff.py", "tests/test_metrics.py", "tests/test_cli_diff.py",
+    "accucheck/compare/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
+    "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py", "tests/test_cli_diff.py",
                           "tests/test_report.py", "tests/test_golden.py"),
     "accucheck/locate.py": ("tests/test_locate.py", "tests/test_report.py",
                             "tests/test_cli_diff.py"),
@@ -87,55 +87,55 @@ def _exact(*lines: str) -> str:
 _RANK = ("DTYPE_EPS only ranks dtypes (coarser_dtype, loosest_dtype, membership): this x2 or /2"
          " keeps every dtype's rank (the ones that would create a tie are tested)")
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
-    ("accucheck/metrics.py", r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
-    ("accucheck/metrics.py", r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
-    ("accucheck/metrics.py", r'"float16": (0\.001953125|0\.00048828125),$', _RANK),
-    ("accucheck/metrics.py", r'"bfloat16": (0\.015625|0\.00390625), "float8_e4m3fn"', _RANK),
-    ("accucheck/metrics.py", r'"float8_e4m3fn": 0\.0625, "float8_e5m2"', _RANK),
-    ("accucheck/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
-    ("accucheck/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
+    ("accucheck/compare/metrics.py", r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
+    ("accucheck/compare/metrics.py", r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
+    ("accucheck/compare/metrics.py", r'"float16": (0\.001953125|0\.00048828125),$', _RANK),
+    ("accucheck/compare/metrics.py", r'"bfloat16": (0\.015625|0\.00390625), "float8_e4m3fn"', _RANK),
+    ("accucheck/compare/metrics.py", r'"float8_e4m3fn": 0\.0625, "float8_e5m2"', _RANK),
+    ("accucheck/compare/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
+    ("accucheck/compare/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
-    ("accucheck/metrics.py", _exact("bad = (na != nb) | (ia != ib) | ((ia | ib) & (np.sign(a) "
+    ("accucheck/compare/metrics.py", _exact("bad = (na != nb) | (ia != ib) | ((ia | ib) & (np.sign(a) "
                                     "!= np.sign(b)))"),
      "where only one side is inf, (ia != ib) already counts the position"),
-    ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
+    ("accucheck/compare/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
      "first |difference| (>= 0) replaces any negative value, and result() clamps at 0"),
-    ("accucheck/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "
+    ("accucheck/compare/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "
      "path counts the same (rel 0 < 1e-3, 0/0 as agreeing, no mismatch, 0 ULP)",
      r"if d\[j\] == 0\.0:  # identical chunk"),
-    ("accucheck/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
+    ("accucheck/compare/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
      "from range(0, size, _BLOCK))", r"if not a\.size:\n\s*return$"),
-    ("accucheck/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
+    ("accucheck/compare/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
      "the base pair score only has to exceed the largest tie-break (overload 0.5 + data 1.0): "
      "6.0 aligns every pair of sequences identically, 1.5 too except at an exact tie"),
-    ("accucheck/opmatch.py", r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
+    ("accucheck/compare/opmatch.py", r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
      "|la - lb| / max(la, lb) <= 1 for l2 norms (>= 0): the cap at 1.0 never binds"),
-    ("accucheck/opmatch.py", _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
+    ("accucheck/compare/opmatch.py", _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
                                     "if (math.isfinite(la) or math.isfinite(lb)):"),
      "a non-finite l2 makes the data term 1 - min(1.0, nan) = 0, the same as skipping it"),
-    ("accucheck/opmatch.py", _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
+    ("accucheck/compare/opmatch.py", _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
                                     "pass"),
      "a fast path: with an empty side the DP and the fused-region pass find nothing either",
      r"if not n or not m:$"),
-    ("accucheck/opmatch.py", r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
+    ("accucheck/compare/opmatch.py", r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
      r"\(m \+ 1\) for _ in range\(\(?n \+ 2\)?\))", "the DP's border row and column: a uniform "
      "shift of every cell (1.0) or a row / column the loops never read (n + 2, m + 2)"),
-    ("accucheck/opmatch.py", _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
+    ("accucheck/compare/opmatch.py", _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
      "which of two equal values is kept does not change the maximum"),
-    ("accucheck/opmatch.py", _exact("if (Sp[j - 1] + s > best):",
+    ("accucheck/compare/opmatch.py", _exact("if (Sp[j - 1] + s > best):",
                                     "if s != (math.inf) and Sp[j - 1] + s > best:",
                                     "if s != -math.inf and (Sp[j - 1] + s >= best):"),
      "s = -inf never beats a finite best; taking an equal value keeps the same maximum"),
-    ("accucheck/opmatch.py", r"while i:$", "with j = 0 the border column (0.0) never equals a "
+    ("accucheck/compare/opmatch.py", r"while i:$", "with j = 0 the border column (0.0) never equals a "
      "pair score (>= 3) and i just counts down: no pair is added"),
-    ("accucheck/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
+    ("accucheck/compare/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
                                     "if s != (math.inf) and S[i][j] == S[i - 1][j - 1] + s:"),
      "a -inf score never makes a finite cell equal"),
-    ("accucheck/opmatch.py", _exact("if (not p['site']):"), "an empty extra makes json.loads "
+    ("accucheck/compare/opmatch.py", _exact("if (not p['site']):"), "an empty extra makes json.loads "
      "raise ValueError, which is caught: the same as skipping it"),
-    ("accucheck/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
+    ("accucheck/compare/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
      "switch moves by one cell (tested at its boundary with a small MAX_DP)"),
-    ("accucheck/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
+    ("accucheck/compare/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
      "the division guard differs only for l2 norms below 2e-30 (all-zero tensors give 0 / guard"
      " = 0 either way)"),
     ("accucheck/locate.py", _exact("for (req, step) in sorted(groups, key=lambda g: "

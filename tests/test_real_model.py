@@ -13,7 +13,7 @@ from accucheck.capture.api import capture_model
 from accucheck.capture.faults import planted
 from accucheck.locate import analyze, peer_kind
 from accucheck.report import render, to_json, verdict_line
-from accucheck.tolerances import NOISE_FLOOR_FACTOR
+from accucheck.compare.tolerances import NOISE_FLOOR_FACTOR
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_bf16_accumulating_linear_is_suspicious_at_that_linear(real):
 
 def test_noise_floor_margin_on_the_real_model(real):
     """The natural ratio of a record's amplification to its peers' (float32 vs bfloat16) stays
-    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in accucheck.tolerances."""
+    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in accucheck.compare.tolerances."""
     _, cap = real
     a = analyze(cap("ref"), cap("bf16", "bfloat16"))
     from accucheck.keys import layer_of

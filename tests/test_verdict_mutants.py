@@ -11,13 +11,13 @@ import math
 import pytest
 
 from accucheck.culprit import Culprit, culprit_lines, find_culprit, precision_finding
-from accucheck.diff import DiffResult, GoldenLabel, RecordDiff
+from accucheck.compare.diff import DiffResult, GoldenLabel, RecordDiff
 from accucheck.keys import RecordKey
 from accucheck.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
                               locate, noise_floor)
-from accucheck.metrics import TensorMetrics
-from accucheck.opmatch import OneSided, OpAlignment
-from accucheck.tolerances import Tolerance
+from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.opmatch import OneSided, OpAlignment
+from accucheck.compare.tolerances import Tolerance
 
 TOL = 1e-2
 E = 2.0 ** -8          # an exactly representable input error for the noise-floor cases

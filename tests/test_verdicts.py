@@ -17,7 +17,7 @@ from accucheck.keys import RecordKey
 from accucheck.locate import analyze, peer_kind
 from accucheck.report import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
-from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                   NOISE_FLOOR_MIN_FRACTION)
 
 H = 64

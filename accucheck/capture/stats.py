@@ -495,7 +495,7 @@ def weight_table(model: torch.nn.Module) -> dict:
     those dtypes (float weights of another dtype; how a float32 and a bfloat16 copy of one
     checkpoint are compared exactly), "sample": WEIGHT_SAMPLES values at fixed flat positions
     (null past the end and for NaN / Inf)}. A few statistics passes per weight, once per
-    capture. accucheck.weights compares two tables by name: a candidate that runs other
+    capture. accucheck.compare.weights compares two tables by name: a candidate that runs other
     weights than the reference is said so by `diff`."""
     eng = StepStats()
     out: dict[str, dict] = {}
