@@ -212,7 +212,7 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
     """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
     3 unreadable / incomplete / incompatible captures."""
     from accucheck.compare.diff import diff_captures
-    from accucheck.locate import Analysis, locate
+    from accucheck.verdict.locate import Analysis, locate
     from accucheck.report import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
-from accucheck.locate import Analysis, Divergence, RecordLocation
+from accucheck.verdict.locate import Analysis, Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")
 SCHEMA = "accucheck.diff"
@@ -303,9 +303,9 @@ def to_text(a: Analysis, md: bool = False) -> str:
                + (f", {d.skipped} skipped" if d.skipped else ""))
     for n in d.notes:
         out.append(f"NOTE: {n}")
-    culprit = a.culprit  # module + op with evidence (accucheck.culprit)
+    culprit = a.culprit  # module + op with evidence (accucheck.verdict.culprit)
     if culprit is not None:
-        from accucheck.culprit import culprit_lines
+        from accucheck.verdict.culprit import culprit_lines
 
         out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
     elif L.diffuse:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, UserError
-from accucheck.locate import Analysis, analyze
+from accucheck.verdict.locate import Analysis, analyze
 from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
 from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 

@@ -270,8 +270,8 @@ def regression_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
 
 
 def divergence_lines(r: SignoffResult) -> list[str]:
-    """The culprit block: the same Culprit (accucheck.culprit) that `accucheck diff` prints."""
-    from accucheck.culprit import culprit_lines
+    """The culprit block: the same Culprit (accucheck.verdict.culprit) that `accucheck diff` prints."""
+    from accucheck.verdict.culprit import culprit_lines
 
     a = r.analysis
     L = a.location

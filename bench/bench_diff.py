@@ -69,7 +69,7 @@ def baseline(ref: Path, cand: Path) -> float:
 
 
 def accucheck_diff(ref: Path, cand: Path) -> int:
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
     from accucheck.report import render
 
     a = analyze(ref, cand)
@@ -100,7 +100,7 @@ def import_time(repeat: int = 7) -> float:
     """Whole process: python + every module on the diff path (cli, diff, locate, report,
     store/h5py, numpy, click, tabulate)."""
     ts = []
-    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.locate, accucheck.report, tabulate, "
+    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report, tabulate, "
             "sys; assert 'torch' not in sys.modules")
     for _ in range(repeat):
         t = time.perf_counter()
@@ -143,7 +143,7 @@ def main() -> None:
         ta = timed(accucheck_diff, ref, cand)
         data = 2 * ref.stat().st_size / (1 << 20)
         mem_a = peak_rss_mib(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                             f"from accucheck.locate import analyze\n"
+                             f"from accucheck.verdict.locate import analyze\n"
                              f"analyze({str(ref)!r}, {str(cand)!r})")
         mem_b = peak_rss_mib(f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                              f"import bench_diff; bench_diff.baseline("

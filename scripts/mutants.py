@@ -52,23 +52,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_MODULES = ("accucheck/locate.py", "accucheck/culprit.py", "accucheck/compare/diff.py",
-                   "accucheck/compare/tolerances.py", "accucheck/compare/metrics.py", "accucheck/compare/opmatch.py",
-                   "accucheck/signoff.py", "accucheck/report.py")
+DEFAULT_MODULES = ("accucheck/verdict/locate.py", "accucheck/verdict/types.py",
+                   "accucheck/verdict/culprit.py", "accucheck/compare/diff.py",
+                   "accucheck/compare/tolerances.py", "accucheck/compare/metrics.py",
+                   "accucheck/compare/opmatch.py", "accucheck/signoff.py", "accucheck/report.py")
 
 # Module -> the test files that cover it, fastest first (pytest -x stops at the first failure).
 # A module not listed here runs tests/test_<name>.py.
 TESTS: dict[str, tuple[str, ...]] = {
     "accucheck/compare/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
     "accucheck/compare/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
-                                "tests/test_cli_diff.py"),
+                                        "tests/test_cli_diff.py"),
     "accucheck/compare/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
-    "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py", "tests/test_cli_diff.py",
-                          "tests/test_report.py", "tests/test_golden.py"),
-    "accucheck/locate.py": ("tests/test_locate.py", "tests/test_report.py",
-                            "tests/test_cli_diff.py"),
-    "accucheck/culprit.py": ("tests/test_locate.py", "tests/test_report.py", "tests/test_ops.py",
-                             "tests/test_shadow.py"),
+    "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py",
+                                  "tests/test_cli_diff.py", "tests/test_report.py",
+                                  "tests/test_golden.py"),
+    "accucheck/verdict/locate.py": ("tests/test_locate.py", "tests/test_report.py",
+                                    "tests/test_cli_diff.py"),
+    "accucheck/verdict/types.py": ("tests/test_locate.py", "tests/test_report.py",
+                                   "tests/test_cli_diff.py"),
+    "accucheck/verdict/culprit.py": ("tests/test_locate.py", "tests/test_report.py",
+                                     "tests/test_ops.py", "tests/test_shadow.py"),
     "accucheck/signoff.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
                              "tests/test_scenario.py"),
     "accucheck/report.py": ("tests/test_report.py", "tests/test_cli_diff.py",
@@ -138,65 +142,62 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     ("accucheck/compare/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
      "the division guard differs only for l2 norms below 2e-30 (all-zero tensors give 0 / guard"
      " = 0 either way)"),
-    ("accucheck/locate.py", _exact("for (req, step) in sorted(groups, key=lambda g: "
+    ("accucheck/verdict/locate.py", _exact("for (req, step) in sorted(groups, key=lambda g: "
                                    "(g[1], g[1])):"),
      "groups of one step (different requests) never interact: site_err is keyed by request and"
      " errs is filled before the walk, so their order within a step does not matter"),
-    ("accucheck/locate.py", r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division "
+    ("accucheck/verdict/locate.py", r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division "
      "guard differs only for tolerances below 2e-300 (a zero tolerance is tested)"),
-    ("accucheck/locate.py", _exact("return Divergence(r.key, (loc.cause), r.error, "
+    ("accucheck/verdict/locate.py", _exact("return Divergence(r.key, (loc.cause), r.error, "
                                    "loc.input_error,"),
      "divergence() only gets records over tolerance, whose cause is never None"),
-    ("accucheck/locate.py", _exact("ranked = sorted((x for x in records if (x.introduced > 0)),"),
+    ("accucheck/verdict/locate.py", _exact("ranked = sorted((x for x in records if (x.introduced > 0)),"),
      "an input record's introduced error is always 0.0 (_locate_group): the role test is moot"),
-    ("accucheck/locate.py", _exact("sus = tuple(s for s in sus if ((s.key.step, s.key.req, "
+    ("accucheck/verdict/locate.py", _exact("sus = tuple(s for s in sus if ((s.key.step, s.key.req, "
                                    "order[str(s.key)]) <= first))"),
      "record orders are unique and the first divergence is introduced, which noise_floor "
      "leaves out: no suspicious record equals `first`"),
-    ("accucheck/locate.py", _exact("if (r.basis == 'shape' or layer is None):"),
+    ("accucheck/verdict/locate.py", _exact("if (r.basis == 'shape' or layer is None):"),
      "an input record has input_basis 'none' and never a shadow (diff pairs shadows with 'out' "
      "records only): the next test skips it anyway"),
-    ("accucheck/locate.py", _exact("return max((r.error for r in self.outs), default=1.0)"),
+    ("accucheck/verdict/locate.py", _exact("return max((r.error for r in self.outs), default=1.0)"),
      "a node is made for an output record: outs is never empty"),
-    ("accucheck/locate.py", r"^\s*pass$", "encloses() is only called on module nodes "
+    ("accucheck/verdict/locate.py", r"^\s*pass$", "encloses() is only called on module nodes "
      "(by_module holds nodes with op None)", r"if self\.op is not None:\n\s*return False$"),
-    ("accucheck/locate.py", r"^\s*return( True)?$", "unreachable: encloses() is only called on "
+    ("accucheck/verdict/locate.py", r"^\s*return( True)?$", "unreachable: encloses() is only called on "
      "module nodes (by_module holds nodes with op None)", r"^\s*return False$"),
-    ("accucheck/locate.py", _exact("if (other.module == self.module and other.call == self.call):"),
+    ("accucheck/verdict/locate.py", _exact("if (other.module == self.module and other.call == self.call):"),
      "a module node's candidate parents are strict prefixes of it: other.module == self.module "
      "only for ops"),
-    ("accucheck/locate.py", _exact("if (other.op is not None and other.call == self.call):"),
+    ("accucheck/verdict/locate.py", _exact("if (other.op is not None and other.call == self.call):"),
      "an op's candidate parents are its own module and that module's prefixes: for a prefix, "
      "other.module != self.module but the startswith test below returns True as well"),
-    ("accucheck/locate.py", _exact("n.order = (r.order)"), "records are walked in order: r.order "
+    ("accucheck/verdict/locate.py", _exact("n.order = (r.order)"), "records are walked in order: r.order "
      ">= n.order, so the max is r.order"),
-    ("accucheck/locate.py", _exact('cands += [".".join(parts[:i]) for i in range((len(parts) + 1)'
+    ("accucheck/verdict/locate.py", _exact('cands += [".".join(parts[:i]) for i in range((len(parts) + 1)'
                                    ', 0, -1)]', 'cands += [".".join(parts[:i]) for i in range('
                                    '(len(parts)), 0, -1)]'),
      "the extra candidates are the module itself, which never encloses a module call (and for "
      "an op repeats its first candidate, with the same answer)"),
-    ("accucheck/locate.py", r"^\s*pass$", "resolve() is idempotent: a second call recomputes "
+    ("accucheck/verdict/locate.py", r"^\s*pass$", "resolve() is idempotent: a second call recomputes "
      "the same values (the recursion to parents has no cycles)", r"if n\.done:\n\s*return$"),
-    ("accucheck/locate.py", _exact("n.done = False"), "resolve() is idempotent: resolving again "
+    ("accucheck/verdict/locate.py", _exact("n.done = False"), "resolve() is idempotent: resolving again "
      "recomputes the same values"),
-    ("accucheck/locate.py", r"^\s*continue$", "siblings are in execution order: once one is not "
+    ("accucheck/verdict/locate.py", r"^\s*continue$", "siblings are in execution order: once one is not "
      "before n, none after it is either (continue skips them all, as break does)",
      r"^ {20}break$"),
-    ("accucheck/locate.py", _exact("if (st <= r.key.step):"), "steps are walked in ascending "
+    ("accucheck/verdict/locate.py", _exact("if (st <= r.key.step):"), "steps are walked in ascending "
      "order and site_err is extended after each group: every entry is from an earlier step"),
-    ("accucheck/locate.py", _exact("inner = max((c.error for c in n.children), default=None)"),
+    ("accucheck/verdict/locate.py", _exact("inner = max((c.error for c in n.children), default=None)"),
      "a node is made for an output record: every child has outs"),
-    ("accucheck/culprit.py", r"^pass$", "the import is for annotations only (strings, from "
-     "__future__); at run time it imports fine too (locate imports culprit lazily)",
-     r"^if TYPE_CHECKING:\n"),
-    ("accucheck/culprit.py", _exact("if not r.dtype_mismatch or compute[1] is None or compute[0] "
+    ("accucheck/verdict/culprit.py", _exact("if not r.dtype_mismatch or compute[1] is None or compute[0] "
                                     "!= compute[1]:"),
      "reached only when compute[0] == compute[1]: then compute[0] is None iff compute[1] is"),
-    ("accucheck/culprit.py", _exact("if (not ops and target.basis != 'shape'):"),
+    ("accucheck/verdict/culprit.py", _exact("if (not ops and target.basis != 'shape'):"),
      "an op culprit is itself an op output of its module call, so `ops` is never empty then"),
-    ("accucheck/culprit.py", _exact('return int(ident.rsplit("@", 2)[1])'),
+    ("accucheck/verdict/culprit.py", _exact('return int(ident.rsplit("@", 2)[1])'),
      "an op ident holds one '@' (module paths and op names have none)"),
-    ("accucheck/culprit.py", r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
+    ("accucheck/verdict/culprit.py", r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
      r"if math\.isinf\(x\):\n\s*return \"inf\"$"),
 )
 

@@ -12,7 +12,7 @@ import pytest
 
 import diffcases
 from accucheck.cli import main
-from accucheck.locate import analyze
+from accucheck.verdict.locate import analyze
 from accucheck.report import CSV_COLUMNS, render, to_json, verdict_line
 from test_diff import base, write
 

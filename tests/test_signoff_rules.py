@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from accucheck.locate import analyze
+from accucheck.verdict.locate import analyze
 from accucheck.scenario import Thresholds, load_scenario
 from accucheck.signoff import Regression, RegressionItem, compare_previous, headline, judge
 from test_diff import base, write

@@ -72,7 +72,7 @@ def test_documented_defaults_reach_the_diff_and_locate(tmp_path):
     from test_diff import base, write
 
     from accucheck.compare.diff import diff_captures
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     t = base()
     for run_dtype, tol, mult in (("float32", DOC["float32"], DOC["golden_32"]),

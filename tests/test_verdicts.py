@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from accucheck.culprit import culprit_lines, find_culprit
+from accucheck.verdict.culprit import culprit_lines, find_culprit
 from accucheck.keys import RecordKey
-from accucheck.locate import analyze, peer_kind
+from accucheck.verdict.locate import analyze, peer_kind
 from accucheck.report import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,

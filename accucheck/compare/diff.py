@@ -22,7 +22,7 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
   a floor of a tenth of the tolerance; the referee then decides `within` (a record fails only
   when the candidate is worse), `within_tolerance` keeps the tolerance's verdict.
 - Producer links the capture stored (/index/extra "src") travel with each record as `src`, for
-  accucheck.locate's input errors.
+  accucheck.verdict.locate's input errors.
 - Candidate records with role "shadow" (shadow replay) are paired with the reference's "out"
   record of the same site: their error is the local error of that module.
 

@@ -52,7 +52,7 @@ EXACT_REL_L2 = 0.0  # integer / bool / unknown dtypes
 GOLDEN_MULTIPLIER = {"float64": 2.0, "float32": 2.0, "float16": 3.0, "bfloat16": 3.0}
 # Locate: an output error this many times its input error is "introduced here".
 DEFAULT_AMPLIFICATION = 4.0
-# Noise floor (accucheck.locate.noise_floor, no golden referee): a record is "suspicious" when
+# Noise floor (accucheck.verdict.locate.noise_floor, no golden referee): a record is "suspicious" when
 # it amplifies its input error more than DEFAULT_AMPLIFICATION and more than FACTOR x the median
 # amplification of its peers (same module kind, op and slot within WINDOW layers, same request
 # and step; at least MIN_PEERS of them), with a local error above MIN_FRACTION x its tolerance.
