@@ -213,7 +213,7 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
     3 unreadable / incomplete / incompatible captures."""
     from accucheck.compare.diff import diff_captures
     from accucheck.verdict.locate import Analysis, locate
-    from accucheck.report import render, verdict_line
+    from accucheck.report.diff import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
     for v, flag in ((rel_l2, "--rel-l2"), (rtol, "--rtol"), (atol, "--atol")):

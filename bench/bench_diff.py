@@ -70,7 +70,7 @@ def baseline(ref: Path, cand: Path) -> float:
 
 def accucheck_diff(ref: Path, cand: Path) -> int:
     from accucheck.verdict.locate import analyze
-    from accucheck.report import render
+    from accucheck.report.diff import render
 
     a = analyze(ref, cand)
     render(a, "json")
@@ -100,7 +100,7 @@ def import_time(repeat: int = 7) -> float:
     """Whole process: python + every module on the diff path (cli, diff, locate, report,
     store/h5py, numpy, click, tabulate)."""
     ts = []
-    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report, tabulate, "
+    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report.diff, tabulate, "
             "sys; assert 'torch' not in sys.modules")
     for _ in range(repeat):
         t = time.perf_counter()

@@ -9,7 +9,7 @@ import diffcases
 from accucheck.compare.diff import diff_captures
 from accucheck.keys import is_layer_block
 from accucheck.verdict.locate import analyze, locate
-from accucheck.report import render, verdict_line
+from accucheck.report.diff import render, verdict_line
 from test_diff import base, write
 
 

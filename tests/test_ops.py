@@ -14,7 +14,7 @@ from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
 from accucheck.verdict.locate import analyze
-from accucheck.report import render
+from accucheck.report.diff import render
 from accucheck.store import open_capture
 
 PROMPT = ["The quick brown fox"]

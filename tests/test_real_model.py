@@ -12,7 +12,7 @@ import pytest
 from accucheck.capture.api import capture_model
 from accucheck.capture.faults import planted
 from accucheck.verdict.locate import analyze, peer_kind
-from accucheck.report import render, to_json, verdict_line
+from accucheck.report.diff import render, to_json, verdict_line
 from accucheck.compare.tolerances import NOISE_FLOOR_FACTOR
 
 pytestmark = pytest.mark.slow

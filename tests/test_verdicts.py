@@ -15,7 +15,7 @@ import pytest
 from accucheck.verdict.culprit import culprit_lines, find_culprit
 from accucheck.keys import RecordKey
 from accucheck.verdict.locate import analyze, peer_kind
-from accucheck.report import render, to_json, verdict_line
+from accucheck.report.diff import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                   NOISE_FLOOR_MIN_FRACTION)

@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
-from accucheck.verdict.locate import Analysis, Divergence, RecordLocation
+from accucheck.verdict.locate import Analysis
+from accucheck.verdict.types import Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")
 SCHEMA = "accucheck.diff"
@@ -291,7 +292,7 @@ def to_csv(a: Analysis) -> str:
 # ----------------------------------------------------------------------------- table / md
 
 def to_text(a: Analysis, md: bool = False) -> str:
-    from tabulate import tabulate  # lazy: keeps `import accucheck.report` light
+    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
 
     fmt = "github" if md else "simple"
     d, L = a.diff, a.location
