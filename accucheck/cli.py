@@ -280,18 +280,18 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
     """Sign off a release: run (or reuse) the captures SCENARIO describes, diff them, apply its
     thresholds, write report.md / report.html / report.json. Exit 0 pass, 1 fail, 2 usage
     error, 3 bad scenario or captures."""
-    from accucheck.scenario import load_scenario
+    from accucheck.signoff.scenario import load_scenario
 
     scn = load_scenario(scenario)
     out = Path(out_dir) if out_dir else Path("reports") / scn.name
     log = (lambda m: None) if quiet else err
     if capture_only:
-        from accucheck.signoff import capture_only as run_capture_only
+        from accucheck.signoff.run import capture_only as run_capture_only
 
         path = run_capture_only(scn, capture_only, out, ref=ref, force=force, progress=log)
         click.echo(str(path))
         return 0
-    from accucheck.signoff import signoff as run_signoff
+    from accucheck.signoff.run import signoff as run_signoff
 
     result = run_signoff(scn, ref=ref, cand=cand, golden=golden, previous=previous,
                          out_dir=out, force=force, progress=log)

@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODULES = ("accucheck/verdict/locate.py", "accucheck/verdict/types.py",
                    "accucheck/verdict/culprit.py", "accucheck/compare/diff.py",
                    "accucheck/compare/tolerances.py", "accucheck/compare/metrics.py",
-                   "accucheck/compare/opmatch.py", "accucheck/signoff.py", "accucheck/report/diff.py")
+                   "accucheck/compare/opmatch.py", "accucheck/signoff/run.py",
+                   "accucheck/report/signoff_result.py", "accucheck/report/diff.py")
 
 # Module -> the test files that cover it, fastest first (pytest -x stops at the first failure).
 # A module not listed here runs tests/test_<name>.py.
@@ -73,10 +74,11 @@ TESTS: dict[str, tuple[str, ...]] = {
                                    "tests/test_cli_diff.py"),
     "accucheck/verdict/culprit.py": ("tests/test_locate.py", "tests/test_report.py",
                                      "tests/test_ops.py", "tests/test_shadow.py"),
-    "accucheck/signoff.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
-                             "tests/test_scenario.py"),
+    "accucheck/signoff/run.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
+                                 "tests/test_scenario.py"),
+    "accucheck/report/signoff_result.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py"),
     "accucheck/report/diff.py": ("tests/test_report.py", "tests/test_cli_diff.py",
-                            "tests/test_readme.py"),
+                                 "tests/test_readme.py"),
 }
 
 # (module, regex on the MUTATED line(s), why[, regex on the original line(s)]) for mutants that

@@ -191,8 +191,8 @@ def test_bf16_eager_vs_graph_signoff_passes_with_the_default_referee(smollm2, tm
     graph run no worse than eager: PASS. One prompt, prefill only (compiling 30 layers with
     every module hooked is the slow part)."""
     import smollm2 as s
-    from accucheck.scenario import scenario_from_dict
-    from accucheck.signoff import signoff
+    from accucheck.signoff.scenario import scenario_from_dict
+    from accucheck.signoff.run import signoff
 
     model, tok = smollm2
     prompts = PROMPTS[:1]

@@ -1,6 +1,6 @@
 """Release sign-off: scenario -> captures -> diff -> thresholds -> verdict. Imports errors,
-scenario, store, locate, report (the diff's JSON), tolerances; the capture API (torch) only when
-a run has to be captured, the report writer (matplotlib) only when writing.
+scenario, store, verdict, report (its records, the diff's JSON), tolerances; the capture API
+(torch) only when a run has to be captured, the report writer (matplotlib) only when writing.
 
 `signoff(scenario, ref=None, cand=None, out_dir=...)` -> `SignoffResult` (bool() = pass):
 
@@ -28,12 +28,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 from accucheck.errors import UserError
+# the records live in report.signoff_result (the report reads them too); kept importable here
 from accucheck.report.signoff_result import (Check, EnvRow, Metrics, Regression,  # noqa: F401
                                              RegressionItem, SignoffResult, fmt_number)
+from accucheck.signoff.scenario import TINY, Scenario, load_scenario, with_captures
 from accucheck.verdict.locate import Analysis, analyze
-from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
-from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 
 Progress = Callable[[str], None]
 REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")
