@@ -100,8 +100,8 @@ def import_time(repeat: int = 7) -> float:
     """Whole process: python + every module on the diff path (cli, diff, locate, report,
     store/h5py, numpy, click, tabulate)."""
     ts = []
-    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report.diff, tabulate, "
-            "sys; assert 'torch' not in sys.modules")
+    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, "
+            "accucheck.report.diff, tabulate, sys; assert 'torch' not in sys.modules")
     for _ in range(repeat):
         t = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)

@@ -245,7 +245,8 @@ def test_bfloat16_and_float32_pair_uses_bf16_tolerance_on_real_captures(tiny, tm
 
 
 def test_diff_does_not_import_torch():
-    code = ("import sys, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report.diff, accucheck.cli; "
+    code = ("import sys, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report.diff, "
+            "accucheck.cli; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()

@@ -106,7 +106,7 @@ def test_bf16_accumulating_linear_is_suspicious_at_that_linear(real):
 
 def test_noise_floor_margin_on_the_real_model(real):
     """The natural ratio of a record's amplification to its peers' (float32 vs bfloat16) stays
-    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in accucheck.compare.tolerances."""
+    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in compare.tolerances."""
     _, cap = real
     a = analyze(cap("ref"), cap("bf16", "bfloat16"))
     from accucheck.keys import layer_of

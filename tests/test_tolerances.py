@@ -12,9 +12,9 @@ from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
 from accucheck.compare.metrics import tensor_metrics
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
-                                  NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
-                                  NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
-                                  ToleranceTable, loosest_dtype, parse_override)
+                                          NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
+                                          NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
+                                          ToleranceTable, loosest_dtype, parse_override)
 
 K = RecordKey.parse("r0.s1:model.layers.3.mlp#0:out.0")
 ROOT = Path(__file__).resolve().parents[1]

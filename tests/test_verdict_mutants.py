@@ -1,4 +1,4 @@
-"""The verdict rules of accucheck.verdict.locate and accucheck.verdict.culprit, probed where a plausible wrong rule
+"""The verdict rules of verdict.locate and verdict.culprit, probed where a plausible wrong rule
 gives another answer (issue 16: tests that can fail). DiffResults are built record by record
 (exact rel_l2 values, no files, no model), so boundaries (err == amplification x explained, a
 gain of exactly factor x the peers' median, a local error of exactly the tolerance) are hit
@@ -14,7 +14,7 @@ from accucheck.verdict.culprit import Culprit, culprit_lines, find_culprit, prec
 from accucheck.compare.diff import DiffResult, GoldenLabel, RecordDiff
 from accucheck.keys import RecordKey
 from accucheck.verdict.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
-                              locate, noise_floor)
+                                      locate, noise_floor)
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.opmatch import OneSided, OpAlignment
 from accucheck.compare.tolerances import Tolerance

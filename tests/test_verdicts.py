@@ -18,7 +18,7 @@ from accucheck.verdict.locate import analyze, peer_kind
 from accucheck.report.diff import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
-                                  NOISE_FLOOR_MIN_FRACTION)
+                                          NOISE_FLOOR_MIN_FRACTION)
 
 H = 64
 _RUNS = itertools.count()

@@ -1,4 +1,4 @@
-"""A candidate that runs other weights than the reference is said so by `diff` (accucheck.compare.weights,
+"""A candidate that runs other weights than the reference is said so by `diff` (compare.weights,
 from each capture's meta "weights")."""
 from __future__ import annotations
 

@@ -5,13 +5,13 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
 
 - Alignment is by record key (never by position). Keys present on one side only are listed in
   `missing`; records whose shapes differ are kept with basis "shape" and fail. Tolerances come
-  from the two runs' compute dtypes (meta "dtype", see accucheck.compare.tolerances): a record held in
+  from the two runs' compute dtypes (meta "dtype", see compare.tolerances): a record held in
   another dtype on each side while the runs share one is a precision finding
   (`DiffResult.precision_findings`), never a looser tolerance.
 - Prompts must match request by request, else UserError (exit 3). Generated tokens may differ:
   then only the steps up to and including the first differing token's step are compared (that
   step's logits are what chose the different token), and a note says so loudly.
-- When both sides hold the tensor (store "full"), metrics are exact (accucheck.compare.metrics, chunked,
+- When both sides hold the tensor (store "full"), metrics are exact (compare.metrics, chunked,
   bounded memory). Otherwise the index statistics give a LOWER BOUND on rel_l2 (basis "stats"):
   a failure is certain, a pass is weaker, and the result says so.
 - Logits records (kind "logits") also get per-position KL(ref||cand), top-1 agreement, top-5
@@ -43,11 +43,11 @@ from accucheck.compare.compat import check_same_model
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
-                               logit_noise, top2_margin, topk_overlap)
+                                       logit_noise, top2_margin, topk_overlap)
 from accucheck.compare.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
-                                  loosest_dtype)
+                                          loosest_dtype)
 from accucheck.compare.weights import weight_notes
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
@@ -235,7 +235,7 @@ class DiffResult:
     skipped: int                             # aligned keys not compared (beyond token divergence)
     notes: tuple[str, ...]                   # things the reader must know (said loudly)
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
-    ops: OpAlignment | None = None           # op-level alignment (accucheck.compare.opmatch), if any
+    ops: OpAlignment | None = None           # op-level alignment (compare.opmatch), if any
     compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
 
     @property

@@ -29,7 +29,7 @@ then capture order), that is over tolerance AND introduced; children run (and ar
 before their enclosing module and ops before their module's output, so the walk names the
 innermost recorded culprit, and inside it the first op that introduces the error (the root,
 not the largest). With a golden referee, "over tolerance" means the referee marks the record
-"cand worse" (accucheck.compare.diff). When records are over tolerance but none introduces the error,
+"cand worse" (compare.diff). When records are over tolerance but none introduces the error,
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
