@@ -211,10 +211,10 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
          amplification, allow_incomplete, allow_model_mismatch):
     """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
     3 unreadable / incomplete / incompatible captures."""
-    from accucheck.diff import diff_captures
-    from accucheck.locate import Analysis, locate
-    from accucheck.report import render, verdict_line
-    from accucheck.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
+    from accucheck.compare.diff import diff_captures
+    from accucheck.verdict.locate import Analysis, locate
+    from accucheck.report.diff import render, verdict_line
+    from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
     for v, flag in ((rel_l2, "--rel-l2"), (rtol, "--rtol"), (atol, "--atol")):
         if v is not None and not v >= 0:
@@ -280,18 +280,18 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
     """Sign off a release: run (or reuse) the captures SCENARIO describes, diff them, apply its
     thresholds, write report.md / report.html / report.json. Exit 0 pass, 1 fail, 2 usage
     error, 3 bad scenario or captures."""
-    from accucheck.scenario import load_scenario
+    from accucheck.signoff.scenario import load_scenario
 
     scn = load_scenario(scenario)
     out = Path(out_dir) if out_dir else Path("reports") / scn.name
     log = (lambda m: None) if quiet else err
     if capture_only:
-        from accucheck.signoff import capture_only as run_capture_only
+        from accucheck.signoff.run import capture_only as run_capture_only
 
         path = run_capture_only(scn, capture_only, out, ref=ref, force=force, progress=log)
         click.echo(str(path))
         return 0
-    from accucheck.signoff import signoff as run_signoff
+    from accucheck.signoff.run import signoff as run_signoff
 
     result = run_signoff(scn, ref=ref, cand=cand, golden=golden, previous=previous,
                          out_dir=out, force=force, progress=log)

@@ -44,8 +44,8 @@ def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
         capture_model(model, list(DEMO_PROMPTS), cand, tokenizer=tok, store="full",
                       max_new_tokens=DEMO_STEPS, tokens_from=str(ref), force=force,
                       meta_extra={"model_path": str(mdir), "planted_fault": f"{fault} @ {module}"})
-    from accucheck.locate import analyze
-    from accucheck.report import render
+    from accucheck.verdict.locate import analyze
+    from accucheck.report.diff import render
 
     log(f"accucheck diff {ref} {cand}")
     analysis = analyze(ref, cand)

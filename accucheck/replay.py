@@ -10,7 +10,7 @@ from its recorded inputs and its recorded arguments (/index/extra "args" / "kwar
   in float64 (a cast to bfloat16 in the op becomes a float64 no-op: the golden is ideal math).
 
 and reports err(recorded ref device, golden), err(here, golden) and err(here, recorded), as
-rel_l2 (accucheck.metrics), with a referee label: "here worse" / "ref worse" / "both within
+rel_l2 (accucheck.compare.metrics), with a referee label: "here worse" / "ref worse" / "both within
 noise" (RMSE ratio above GOLDEN_MULTIPLIER plus a noise floor, like the diff's golden labels).
 
 Selection: `ops` are record keys or globs matched against the op call
@@ -30,10 +30,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from accucheck.errors import UserError
-from accucheck.metrics import tensor_metrics
-from accucheck.opmatch import OpCall, op_calls
+from accucheck.compare.metrics import tensor_metrics
+from accucheck.compare.opmatch import OpCall, op_calls
 from accucheck.store import CaptureReader, open_capture
-from accucheck.tolerances import GOLDEN_MULTIPLIER, DEFAULT_REL_L2, loosest_dtype
+from accucheck.compare.tolerances import GOLDEN_MULTIPLIER, DEFAULT_REL_L2, loosest_dtype
 
 LABELS = ("here worse", "ref worse", "both within noise")
 

@@ -69,8 +69,8 @@ def baseline(ref: Path, cand: Path) -> float:
 
 
 def accucheck_diff(ref: Path, cand: Path) -> int:
-    from accucheck.locate import analyze
-    from accucheck.report import render
+    from accucheck.verdict.locate import analyze
+    from accucheck.report.diff import render
 
     a = analyze(ref, cand)
     render(a, "json")
@@ -100,8 +100,8 @@ def import_time(repeat: int = 7) -> float:
     """Whole process: python + every module on the diff path (cli, diff, locate, report,
     store/h5py, numpy, click, tabulate)."""
     ts = []
-    code = ("import accucheck.cli, accucheck.diff, accucheck.locate, accucheck.report, tabulate, "
-            "sys; assert 'torch' not in sys.modules")
+    code = ("import accucheck.cli, accucheck.compare.diff, accucheck.verdict.locate, "
+            "accucheck.report.diff, tabulate, sys; assert 'torch' not in sys.modules")
     for _ in range(repeat):
         t = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
@@ -143,7 +143,7 @@ def main() -> None:
         ta = timed(accucheck_diff, ref, cand)
         data = 2 * ref.stat().st_size / (1 << 20)
         mem_a = peak_rss_mib(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                             f"from accucheck.locate import analyze\n"
+                             f"from accucheck.verdict.locate import analyze\n"
                              f"analyze({str(ref)!r}, {str(cand)!r})")
         mem_b = peak_rss_mib(f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                              f"import bench_diff; bench_diff.baseline("

@@ -281,7 +281,7 @@ def msprobe_first_diff(golden: Path, target: Path, out: Path) -> tuple[str, str]
 
 def _accucheck(ref: Path, cand: Path, work: Path) -> dict:
     from accucheck.importers.msprobe import import_msprobe
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     t0 = time.perf_counter()
     a = import_msprobe(ref, work / "ref.h5", force=True)

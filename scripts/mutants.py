@@ -2,8 +2,9 @@
 """Mutation testing for accucheck's verdict code: a developer tool (too slow for .ci/run).
 
     python scripts/mutants.py                                  # every verdict module
-    python scripts/mutants.py --modules accucheck/metrics.py --list
-    python scripts/mutants.py --modules accucheck/opmatch.py --only accucheck/opmatch.py:151
+    python scripts/mutants.py --modules accucheck/compare/metrics.py --list
+    python scripts/mutants.py --modules accucheck/compare/opmatch.py \\
+        --only accucheck/compare/opmatch.py:151
     python scripts/mutants.py --changed origin/main -m ""   # lines changed since a ref, slow too
 
 Each mutant is ONE deliberate bug on one source line (generated from the AST, applied as a
@@ -52,27 +53,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_MODULES = ("accucheck/locate.py", "accucheck/culprit.py", "accucheck/diff.py",
-                   "accucheck/tolerances.py", "accucheck/metrics.py", "accucheck/opmatch.py",
-                   "accucheck/signoff.py", "accucheck/report.py")
+DEFAULT_MODULES = ("accucheck/verdict/locate.py", "accucheck/verdict/types.py",
+                   "accucheck/verdict/culprit.py", "accucheck/compare/diff.py",
+                   "accucheck/compare/tolerances.py", "accucheck/compare/metrics.py",
+                   "accucheck/compare/opmatch.py", "accucheck/signoff/run.py",
+                   "accucheck/report/signoff_result.py", "accucheck/report/diff.py")
 
 # Module -> the test files that cover it, fastest first (pytest -x stops at the first failure).
 # A module not listed here runs tests/test_<name>.py.
 TESTS: dict[str, tuple[str, ...]] = {
-    "accucheck/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
-    "accucheck/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
-                                "tests/test_cli_diff.py"),
-    "accucheck/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
-    "accucheck/diff.py": ("tests/test_diff.py", "tests/test_metrics.py", "tests/test_cli_diff.py",
-                          "tests/test_report.py", "tests/test_golden.py"),
-    "accucheck/locate.py": ("tests/test_locate.py", "tests/test_report.py",
-                            "tests/test_cli_diff.py"),
-    "accucheck/culprit.py": ("tests/test_locate.py", "tests/test_report.py", "tests/test_ops.py",
-                             "tests/test_shadow.py"),
-    "accucheck/signoff.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
-                             "tests/test_scenario.py"),
-    "accucheck/report.py": ("tests/test_report.py", "tests/test_cli_diff.py",
-                            "tests/test_readme.py"),
+    "accucheck/compare/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
+    "accucheck/compare/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
+                                        "tests/test_cli_diff.py"),
+    "accucheck/compare/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
+    "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py",
+                                  "tests/test_cli_diff.py", "tests/test_report.py",
+                                  "tests/test_golden.py"),
+    "accucheck/verdict/locate.py": ("tests/test_locate.py", "tests/test_report.py",
+                                    "tests/test_cli_diff.py"),
+    "accucheck/verdict/types.py": ("tests/test_locate.py", "tests/test_report.py",
+                                   "tests/test_cli_diff.py"),
+    "accucheck/verdict/culprit.py": ("tests/test_locate.py", "tests/test_report.py",
+                                     "tests/test_ops.py", "tests/test_shadow.py"),
+    "accucheck/signoff/run.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
+                                 "tests/test_scenario.py"),
+    "accucheck/report/signoff_result.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py"),
+    "accucheck/report/diff.py": ("tests/test_report.py", "tests/test_cli_diff.py",
+                                 "tests/test_readme.py"),
 }
 
 # (module, regex on the MUTATED line(s), why[, regex on the original line(s)]) for mutants that
@@ -86,117 +93,119 @@ def _exact(*lines: str) -> str:
 
 _RANK = ("DTYPE_EPS only ranks dtypes (coarser_dtype, loosest_dtype, membership): this x2 or /2"
          " keeps every dtype's rank (the ones that would create a tie are tested)")
+# the modules the table names (short names keep its rows within 100 columns)
+_METRICS = "accucheck/compare/metrics.py"
+_OPMATCH = "accucheck/compare/opmatch.py"
+_LOCATE = "accucheck/verdict/locate.py"
+_CULPRIT = "accucheck/verdict/culprit.py"
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
-    ("accucheck/metrics.py", r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
-    ("accucheck/metrics.py", r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
-    ("accucheck/metrics.py", r'"float16": (0\.001953125|0\.00048828125),$', _RANK),
-    ("accucheck/metrics.py", r'"bfloat16": (0\.015625|0\.00390625), "float8_e4m3fn"', _RANK),
-    ("accucheck/metrics.py", r'"float8_e4m3fn": 0\.0625, "float8_e5m2"', _RANK),
-    ("accucheck/metrics.py", r'"float8_e5m2": 0\.5,$', _RANK),
-    ("accucheck/metrics.py", r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
+    (_METRICS, r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
+    (_METRICS, r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
+    (_METRICS, r'"float16": (0\.001953125|0\.00048828125),$', _RANK),
+    (_METRICS, r'"bfloat16": (0\.015625|0\.00390625), "float8_e4m3fn"', _RANK),
+    (_METRICS, r'"float8_e4m3fn": 0\.0625, "float8_e5m2"', _RANK),
+    (_METRICS, r'"float8_e5m2": 0\.5,$', _RANK),
+    (_METRICS, r"^\s*pass$", "a fast path: indexing with an all-true mask gives "
      "the same arrays", r"if m\.all\(\):\n\s*return a, b$"),
-    ("accucheck/metrics.py", _exact("bad = (na != nb) | (ia != ib) | ((ia | ib) & (np.sign(a) "
+    (_METRICS, _exact("bad = (na != nb) | (ia != ib) | ((ia | ib) & (np.sign(a) "
                                     "!= np.sign(b)))"),
      "where only one side is inf, (ia != ib) already counts the position"),
-    ("accucheck/metrics.py", r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
+    (_METRICS, r"self\._max_abs = \(-(2\.0|0\.5)\)$", "a negative sentinel: the "
      "first |difference| (>= 0) replaces any negative value, and result() clamps at 0"),
-    ("accucheck/metrics.py", r"^\s*pass$", "a fast path for an identical block: the general "
+    (_METRICS, r"^\s*pass$", "a fast path for an identical block: the general "
      "path counts the same (rel 0 < 1e-3, 0/0 as agreeing, no mismatch, 0 ULP)",
      r"if d\[j\] == 0\.0:  # identical chunk"),
-    ("accucheck/metrics.py", r"^\s*pass$", "add() never passes an empty block (its slices come "
+    (_METRICS, r"^\s*pass$", "add() never passes an empty block (its slices come "
      "from range(0, size, _BLOCK))", r"if not a\.size:\n\s*return$"),
-    ("accucheck/opmatch.py", r"s = (6\.0|1\.5) \+ \(0\.5 if",
+    (_OPMATCH, r"s = (6\.0|1\.5) \+ \(0\.5 if",
      "the base pair score only has to exceed the largest tie-break (overload 0.5 + data 1.0): "
      "6.0 aligns every pair of sequences identically, 1.5 too except at an exact tie"),
-    ("accucheck/opmatch.py", r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
+    (_OPMATCH, r"s \+= 1\.0 - (min\(2\.0, )?\(?abs\(la - lb\) / max",
      "|la - lb| / max(la, lb) <= 1 for l2 norms (>= 0): the cap at 1.0 never binds"),
-    ("accucheck/opmatch.py", _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
+    (_OPMATCH, _exact("if (math.isfinite(lb)):", "if (math.isfinite(la)):",
                                     "if (math.isfinite(la) or math.isfinite(lb)):"),
      "a non-finite l2 makes the data term 1 - min(1.0, nan) = 0, the same as skipping it"),
-    ("accucheck/opmatch.py", _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
+    (_OPMATCH, _exact("if (not n and (not m)):", "if (not m):", "if (not n):",
                                     "pass"),
      "a fast path: with an empty side the DP and the fused-region pass find nothing either",
      r"if not n or not m:$"),
-    ("accucheck/opmatch.py", r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
+    (_OPMATCH, r"S = \[\[(1\.0\] \* \(m \+ 1\)|0\.0\] \* \(m \+ 2\)|0\.0\] \* "
      r"\(m \+ 1\) for _ in range\(\(?n \+ 2\)?\))", "the DP's border row and column: a uniform "
      "shift of every cell (1.0) or a row / column the loops never read (n + 2, m + 2)"),
-    ("accucheck/opmatch.py", _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
+    (_OPMATCH, _exact("best = Sp[j] if (Sp[j] > Si[j - 1]) else Si[j - 1]"),
      "which of two equal values is kept does not change the maximum"),
-    ("accucheck/opmatch.py", _exact("if (Sp[j - 1] + s > best):",
+    (_OPMATCH, _exact("if (Sp[j - 1] + s > best):",
                                     "if s != (math.inf) and Sp[j - 1] + s > best:",
                                     "if s != -math.inf and (Sp[j - 1] + s >= best):"),
      "s = -inf never beats a finite best; taking an equal value keeps the same maximum"),
-    ("accucheck/opmatch.py", r"while i:$", "with j = 0 the border column (0.0) never equals a "
+    (_OPMATCH, r"while i:$", "with j = 0 the border column (0.0) never equals a "
      "pair score (>= 3) and i just counts down: no pair is added"),
-    ("accucheck/opmatch.py", _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
+    (_OPMATCH, _exact("if (S[i][j] == S[i - 1][j - 1] + s):",
                                     "if s != (math.inf) and S[i][j] == S[i - 1][j - 1] + s:"),
      "a -inf score never makes a finite cell equal"),
-    ("accucheck/opmatch.py", _exact("if (not p['site']):"), "an empty extra makes json.loads "
+    (_OPMATCH, _exact("if (not p['site']):"), "an empty extra makes json.loads "
      "raise ValueError, which is caught: the same as skipping it"),
-    ("accucheck/opmatch.py", r"MAX_DP = 250001$", "the fallback threshold of a performance "
+    (_OPMATCH, r"MAX_DP = 250001$", "the fallback threshold of a performance "
      "switch moves by one cell (tested at its boundary with a small MAX_DP)"),
-    ("accucheck/opmatch.py", r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
+    (_OPMATCH, r"max\(abs\(la\), abs\(lb\), (2e-30|5e-31)\)",
      "the division guard differs only for l2 norms below 2e-30 (all-zero tensors give 0 / guard"
      " = 0 either way)"),
-    ("accucheck/locate.py", _exact("for (req, step) in sorted(groups, key=lambda g: "
+    (_LOCATE, _exact("for (req, step) in sorted(groups, key=lambda g: "
                                    "(g[1], g[1])):"),
      "groups of one step (different requests) never interact: site_err is keyed by request and"
      " errs is filled before the walk, so their order within a step does not matter"),
-    ("accucheck/locate.py", r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division "
+    (_LOCATE, r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division "
      "guard differs only for tolerances below 2e-300 (a zero tolerance is tested)"),
-    ("accucheck/locate.py", _exact("return Divergence(r.key, (loc.cause), r.error, "
+    (_LOCATE, _exact("return Divergence(r.key, (loc.cause), r.error, "
                                    "loc.input_error,"),
      "divergence() only gets records over tolerance, whose cause is never None"),
-    ("accucheck/locate.py", _exact("ranked = sorted((x for x in records if (x.introduced > 0)),"),
+    (_LOCATE, _exact("ranked = sorted((x for x in records if (x.introduced > 0)),"),
      "an input record's introduced error is always 0.0 (_locate_group): the role test is moot"),
-    ("accucheck/locate.py", _exact("sus = tuple(s for s in sus if ((s.key.step, s.key.req, "
+    (_LOCATE, _exact("sus = tuple(s for s in sus if ((s.key.step, s.key.req, "
                                    "order[str(s.key)]) <= first))"),
      "record orders are unique and the first divergence is introduced, which noise_floor "
      "leaves out: no suspicious record equals `first`"),
-    ("accucheck/locate.py", _exact("if (r.basis == 'shape' or layer is None):"),
+    (_LOCATE, _exact("if (r.basis == 'shape' or layer is None):"),
      "an input record has input_basis 'none' and never a shadow (diff pairs shadows with 'out' "
      "records only): the next test skips it anyway"),
-    ("accucheck/locate.py", _exact("return max((r.error for r in self.outs), default=1.0)"),
+    (_LOCATE, _exact("return max((r.error for r in self.outs), default=1.0)"),
      "a node is made for an output record: outs is never empty"),
-    ("accucheck/locate.py", r"^\s*pass$", "encloses() is only called on module nodes "
+    (_LOCATE, r"^\s*pass$", "encloses() is only called on module nodes "
      "(by_module holds nodes with op None)", r"if self\.op is not None:\n\s*return False$"),
-    ("accucheck/locate.py", r"^\s*return( True)?$", "unreachable: encloses() is only called on "
+    (_LOCATE, r"^\s*return( True)?$", "unreachable: encloses() is only called on "
      "module nodes (by_module holds nodes with op None)", r"^\s*return False$"),
-    ("accucheck/locate.py", _exact("if (other.module == self.module and other.call == self.call):"),
+    (_LOCATE, _exact("if (other.module == self.module and other.call == self.call):"),
      "a module node's candidate parents are strict prefixes of it: other.module == self.module "
      "only for ops"),
-    ("accucheck/locate.py", _exact("if (other.op is not None and other.call == self.call):"),
+    (_LOCATE, _exact("if (other.op is not None and other.call == self.call):"),
      "an op's candidate parents are its own module and that module's prefixes: for a prefix, "
      "other.module != self.module but the startswith test below returns True as well"),
-    ("accucheck/locate.py", _exact("n.order = (r.order)"), "records are walked in order: r.order "
+    (_LOCATE, _exact("n.order = (r.order)"), "records are walked in order: r.order "
      ">= n.order, so the max is r.order"),
-    ("accucheck/locate.py", _exact('cands += [".".join(parts[:i]) for i in range((len(parts) + 1)'
+    (_LOCATE, _exact('cands += [".".join(parts[:i]) for i in range((len(parts) + 1)'
                                    ', 0, -1)]', 'cands += [".".join(parts[:i]) for i in range('
                                    '(len(parts)), 0, -1)]'),
      "the extra candidates are the module itself, which never encloses a module call (and for "
      "an op repeats its first candidate, with the same answer)"),
-    ("accucheck/locate.py", r"^\s*pass$", "resolve() is idempotent: a second call recomputes "
+    (_LOCATE, r"^\s*pass$", "resolve() is idempotent: a second call recomputes "
      "the same values (the recursion to parents has no cycles)", r"if n\.done:\n\s*return$"),
-    ("accucheck/locate.py", _exact("n.done = False"), "resolve() is idempotent: resolving again "
+    (_LOCATE, _exact("n.done = False"), "resolve() is idempotent: resolving again "
      "recomputes the same values"),
-    ("accucheck/locate.py", r"^\s*continue$", "siblings are in execution order: once one is not "
+    (_LOCATE, r"^\s*continue$", "siblings are in execution order: once one is not "
      "before n, none after it is either (continue skips them all, as break does)",
      r"^ {20}break$"),
-    ("accucheck/locate.py", _exact("if (st <= r.key.step):"), "steps are walked in ascending "
+    (_LOCATE, _exact("if (st <= r.key.step):"), "steps are walked in ascending "
      "order and site_err is extended after each group: every entry is from an earlier step"),
-    ("accucheck/locate.py", _exact("inner = max((c.error for c in n.children), default=None)"),
+    (_LOCATE, _exact("inner = max((c.error for c in n.children), default=None)"),
      "a node is made for an output record: every child has outs"),
-    ("accucheck/culprit.py", r"^pass$", "the import is for annotations only (strings, from "
-     "__future__); at run time it imports fine too (locate imports culprit lazily)",
-     r"^if TYPE_CHECKING:\n"),
-    ("accucheck/culprit.py", _exact("if not r.dtype_mismatch or compute[1] is None or compute[0] "
+    (_CULPRIT, _exact("if not r.dtype_mismatch or compute[1] is None or compute[0] "
                                     "!= compute[1]:"),
      "reached only when compute[0] == compute[1]: then compute[0] is None iff compute[1] is"),
-    ("accucheck/culprit.py", _exact("if (not ops and target.basis != 'shape'):"),
+    (_CULPRIT, _exact("if (not ops and target.basis != 'shape'):"),
      "an op culprit is itself an op output of its module call, so `ops` is never empty then"),
-    ("accucheck/culprit.py", _exact('return int(ident.rsplit("@", 2)[1])'),
+    (_CULPRIT, _exact('return int(ident.rsplit("@", 2)[1])'),
      "an op ident holds one '@' (module paths and op names have none)"),
-    ("accucheck/culprit.py", r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
+    (_CULPRIT, r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
      r"if math\.isinf\(x\):\n\s*return \"inf\"$"),
 )
 

@@ -8,7 +8,7 @@ import torch
 from accucheck.capture.api import capture_model
 from accucheck.capture.faults import planted
 from accucheck.capture.recorder import default_modules
-from accucheck.locate import analyze
+from accucheck.verdict.locate import analyze
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)

@@ -151,7 +151,7 @@ def test_amplification_reaches_locate(files, capsys):
     assert j["amplification"] == DOC_AMPLIFICATION
     code, j = run_json([files["ref"], files["cand"], "--amplification", "7.5"], capsys)
     assert j["amplification"] == 7.5
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     assert analyze(files["ref"], files["cand"], amplification=7.5).location.amplification == 7.5
     code, _, err = run([files["ref"], files["cand"], "--amplification", "x"], capsys)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import diffcases
-from accucheck.diff import diff_captures, stats_delta
+from accucheck.compare.diff import diff_captures, stats_delta
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.store import CaptureWriter, open_capture
@@ -245,7 +245,8 @@ def test_bfloat16_and_float32_pair_uses_bf16_tolerance_on_real_captures(tiny, tm
 
 
 def test_diff_does_not_import_torch():
-    code = ("import sys, accucheck.diff, accucheck.locate, accucheck.report, accucheck.cli; "
+    code = ("import sys, accucheck.compare.diff, accucheck.verdict.locate, accucheck.report.diff, "
+            "accucheck.cli; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -343,7 +344,7 @@ def test_stats_capture_reports_the_bound_as_the_error(tmp_path):
 
 
 def test_near_tie_is_margin_at_most_noise():
-    from accucheck.diff import LogitsPosition, TokenFlip
+    from accucheck.compare.diff import LogitsPosition, TokenFlip
 
     def pos(margin, noise):
         return LogitsPosition(0, 0.0, 0, 1, 1.0, margin, noise)
@@ -364,7 +365,7 @@ def test_near_tie_is_margin_at_most_noise():
 
 def test_flip_with_margin_between_noise_and_three_noise_is_real(tmp_path):
     """A margin above the logit noise (here 1.1x .. 3x) makes the flip real: the diff fails."""
-    from accucheck.metrics import logit_noise, top2_margin
+    from accucheck.compare.metrics import logit_noise, top2_margin
 
     t = base()
     k = "r0.s0:logits#0:out.0"

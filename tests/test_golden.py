@@ -2,7 +2,7 @@
 
 Exact: file format and schema version, meta fields, record keys in execution order, kinds,
 dtypes, shapes, prompt and generated token ids, model config / weight hashes. Within the float32
-tolerance of the diff library (rel_l2 5e-5 per record, see accucheck.tolerances): the values,
+tolerance of the diff library (rel_l2 5e-5 per record, see compare.tolerances): the values,
 because CPU kernels may sum float32 in another order on another machine. A failure names the
 command that regenerates the files (golden/make_golden.py), to run only when the change is
 intended.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from accucheck import store
-from accucheck.diff import diff_captures
+from accucheck.compare.diff import diff_captures
 from accucheck.errors import UserError
 from accucheck.store import open_capture
 

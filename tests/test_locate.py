@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import diffcases
-from accucheck.diff import diff_captures
+from accucheck.compare.diff import diff_captures
 from accucheck.keys import is_layer_block
-from accucheck.locate import analyze, locate
-from accucheck.report import render, verdict_line
+from accucheck.verdict.locate import analyze, locate
+from accucheck.report.diff import render, verdict_line
 from test_diff import base, write
 
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from accucheck import metrics as M
+from accucheck.compare import metrics as M
 from accucheck.store import bf16_bits_to_float32
 
 
@@ -299,7 +299,7 @@ def test_ulp_in_the_coarser_dtype():
 def test_dtype_order_fine_to_coarse():
     """coarser_dtype (and the tolerance's loosest_dtype) rank every pair, both argument orders;
     non-float dtypes count as exact (finest)."""
-    from accucheck.tolerances import loosest_dtype
+    from accucheck.compare.tolerances import loosest_dtype
 
     order = ["int64", "float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
              "float8_e5m2"]

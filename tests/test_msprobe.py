@@ -336,7 +336,7 @@ def test_l1_dump_without_construct_puts_apis_under_top(tmp_path):
 
 
 def test_identical_and_changed_small_dumps_through_diff(tmp_path):
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     write_dump(tmp_path / "a")
     write_dump(tmp_path / "b")
@@ -540,7 +540,7 @@ def _imports(request, dumps, tmp_path, *variants):
 @pytest.mark.slow
 @pytest.mark.parametrize("dumps", DUMPS)
 def test_msprobe_identical_runs_pass(request, dumps, tmp_path):
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     ref, same = _imports(request, dumps, tmp_path, "ref", "same")
     assert ref.store == ("full" if dumps.startswith("tensor") else "stats")
@@ -560,7 +560,7 @@ def test_msprobe_identical_runs_pass(request, dumps, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("dumps", DUMPS)
 def test_msprobe_planted_fault_names_the_module(request, dumps, tmp_path):
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     ref, fault = _imports(request, dumps, tmp_path, "ref", "fault")
     an = analyze(ref.path, fault.path)
@@ -578,7 +578,7 @@ def test_msprobe_fused_norm_no_error_rows_where_msprobe_compare_reports_many(
     """Every RMSNorm as one F.rms_norm call (no API msprobe hooks): msprobe compare pairs ops by
     their global per-API counter and reports error rows; accucheck aligns ops inside each module
     call and finds none."""
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     ref, fused = _imports(request, dumps, tmp_path, "ref", "fused")
     an = analyze(ref.path, fused.path)
@@ -599,7 +599,7 @@ def msprobe_compare_errors(golden: Path, target: Path, out: Path) -> int:
 def test_msprobe_bf16_run_sets_the_meta_dtype(request, tmp_path):
     ref, bf = _imports(request, "stats_mix", tmp_path, "ref", "bf16")
     assert bf.dtype == "bfloat16"
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     an = analyze(ref.path, bf.path)
     assert an.diff.compute_dtypes == ("float32", "bfloat16")

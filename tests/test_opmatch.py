@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from accucheck.keys import RecordKey
-from accucheck.opmatch import OpAlignment, align, op_calls
+from accucheck.compare.opmatch import OpAlignment, align, op_calls
 from accucheck.store import IndexRow, Stats
 
 MOD = "model.layers.0.input_layernorm"
@@ -160,7 +160,7 @@ def test_fused_region_with_another_final_shape_is_not_compared(tmp_path):
     reports no false shape error; both runs are listed as fused / absent."""
     from test_diff import write
 
-    from accucheck.diff import diff_captures
+    from accucheck.compare.diff import diff_captures
 
     mod = "r0.s0:model.layers.0.input_layernorm#0/"
     rng = np.random.default_rng(0)
@@ -187,7 +187,7 @@ def test_alignment_sites_lookup():
     seq = _seq(DECOMPOSED)
     assert seq[0].site == "modeling_llama.py:60 in forward"
     assert seq[6].ident == f"r0.s0:{MOD}#0/aten.mm.default@6"
-    from accucheck.opmatch import op_ident
+    from accucheck.compare.opmatch import op_ident
 
     assert op_ident(seq[6].outs[0].key) == seq[6].ident
 
@@ -213,7 +213,7 @@ def _op_capture(path, calls, module_calls=((0, 0, "model.layers.0.mlp", 0),)):
 
 
 def test_align_captures_pairs_outputs_and_inputs_by_slot_fused_by_output_only(tmp_path):
-    from accucheck.opmatch import align_captures
+    from accucheck.compare.opmatch import align_captures
     from accucheck.store import open_capture
 
     ref = _op_capture(tmp_path / "r.h5", [
@@ -248,7 +248,7 @@ def test_align_captures_pairs_outputs_and_inputs_by_slot_fused_by_output_only(tm
 
 
 def test_align_captures_module_calls_by_key_and_one_side_only_calls(tmp_path):
-    from accucheck.opmatch import align_captures
+    from accucheck.compare.opmatch import align_captures
     from accucheck.store import open_capture
 
     calls = ((0, 0, "model.layers.0.mlp", 0), (0, 0, "model.layers.0.mlp", 1),
@@ -281,7 +281,7 @@ def _best(ref, cand) -> float:
     """Oracle: the best total score of any monotone matching (memoized recursion)."""
     from functools import lru_cache
 
-    from accucheck.opmatch import _score
+    from accucheck.compare.opmatch import _score
 
     @lru_cache(maxsize=None)
     def best(i, j):
@@ -294,7 +294,7 @@ def _best(ref, cand) -> float:
 
 
 def test_alignment_is_monotone_one_to_one_and_optimal():
-    from accucheck.opmatch import _score
+    from accucheck.compare.opmatch import _score
 
     rng = np.random.default_rng(11)
     alphabet = [("aten.mul.Tensor", H), ("aten.mul.Scalar", H), ("aten.add.Tensor", H),
@@ -319,7 +319,7 @@ def test_alignment_is_monotone_one_to_one_and_optimal():
 def test_large_calls_fall_back_to_difflib(monkeypatch):
     """Above MAX_DP cell pairs the alignment is difflib on (operator, shapes): no data
     tie-break there (the first equal token pairs), and no junk heuristic on long sequences."""
-    import accucheck.opmatch as om
+    import accucheck.compare.opmatch as om
 
     ref = _seq([("aten.mul.Tensor", H, 40.0), ("aten.mul.Tensor", H, 3.0)])
     cand = _seq([("aten.mul.Tensor", H, 3.0)])
@@ -370,7 +370,7 @@ def test_op_calls_groups_op_records_only():
 def test_records_are_frozen_and_validated():
     import dataclasses
 
-    from accucheck.opmatch import OneSided, OpMatch, op_packet
+    from accucheck.compare.opmatch import OneSided, OpMatch, op_packet
 
     seq = _seq(DECOMPOSED[:1])
     al = OpAlignment((OpMatch("a", "b", "fused"),), (OneSided("c", "ref", ""),), ())

@@ -13,8 +13,8 @@ import torch
 from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
-from accucheck.locate import analyze
-from accucheck.report import render
+from accucheck.verdict.locate import analyze
+from accucheck.report.diff import render
 from accucheck.store import open_capture
 
 PROMPT = ["The quick brown fox"]

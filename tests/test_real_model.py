@@ -11,9 +11,9 @@ import pytest
 
 from accucheck.capture.api import capture_model
 from accucheck.capture.faults import planted
-from accucheck.locate import analyze, peer_kind
-from accucheck.report import render, to_json, verdict_line
-from accucheck.tolerances import NOISE_FLOOR_FACTOR
+from accucheck.verdict.locate import analyze, peer_kind
+from accucheck.report.diff import render, to_json, verdict_line
+from accucheck.compare.tolerances import NOISE_FLOOR_FACTOR
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_bf16_accumulating_linear_is_suspicious_at_that_linear(real):
 
 def test_noise_floor_margin_on_the_real_model(real):
     """The natural ratio of a record's amplification to its peers' (float32 vs bfloat16) stays
-    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in accucheck.tolerances."""
+    well under NOISE_FLOOR_FACTOR: re-measures the calibration stated in compare.tolerances."""
     _, cap = real
     a = analyze(cap("ref"), cap("bf16", "bfloat16"))
     from accucheck.keys import layer_of
@@ -191,8 +191,8 @@ def test_bf16_eager_vs_graph_signoff_passes_with_the_default_referee(smollm2, tm
     graph run no worse than eager: PASS. One prompt, prefill only (compiling 30 layers with
     every module hooked is the slow part)."""
     import smollm2 as s
-    from accucheck.scenario import scenario_from_dict
-    from accucheck.signoff import signoff
+    from accucheck.signoff.scenario import scenario_from_dict
+    from accucheck.signoff.run import signoff
 
     model, tok = smollm2
     prompts = PROMPTS[:1]

@@ -12,8 +12,8 @@ import pytest
 
 import diffcases
 from accucheck.cli import main
-from accucheck.locate import analyze
-from accucheck.report import CSV_COLUMNS, render, to_json, verdict_line
+from accucheck.verdict.locate import analyze
+from accucheck.report.diff import CSV_COLUMNS, render, to_json, verdict_line
 from test_diff import base, write
 
 JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref", "cand",

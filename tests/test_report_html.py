@@ -38,7 +38,7 @@ def chromium() -> str | None:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from accucheck.signoff import signoff
+    from accucheck.signoff.run import signoff
 
     out = tmp_path_factory.mktemp("html") / "report"
     res = signoff(ROOT / "scenarios/tiny-planted-fault.toml", out_dir=out)

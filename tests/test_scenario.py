@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from accucheck.errors import EXIT_BAD_INPUT, UserError
-from accucheck.scenario import (TINY, Fault, load_scenario, scenario_from_dict, with_captures)
+from accucheck.signoff.scenario import (TINY, Fault, load_scenario, scenario_from_dict,
+                                        with_captures)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "scenarios").glob("*.toml"))

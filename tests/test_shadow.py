@@ -7,7 +7,7 @@ from accucheck.capture.api import capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
 from accucheck.keys import layer_of
-from accucheck.locate import analyze
+from accucheck.verdict.locate import analyze
 from accucheck.store import open_capture
 
 PROMPT = ["The quick brown fox"]

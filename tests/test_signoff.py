@@ -15,8 +15,8 @@ import pytest
 
 from accucheck.cli import main
 from accucheck.errors import EXIT_BAD_INPUT, UserError
-from accucheck.scenario import load_scenario
-from accucheck.signoff import evaluate, signoff
+from accucheck.signoff.scenario import load_scenario
+from accucheck.signoff.run import evaluate, signoff
 
 ROOT = Path(__file__).resolve().parents[1]
 SCN = ROOT / "scenarios"
@@ -162,7 +162,7 @@ def test_regression_against_last_release(identical, fault, tmp_path):
 
 @pytest.mark.slow
 def test_plots_are_images_of_the_data(identical, fault):
-    from accucheck.signoff_report import PLOTS, make_plots
+    from accucheck.report.signoff import PLOTS, make_plots
 
     a, _ = make_plots(identical[0])
     b, _ = make_plots(fault[0])
@@ -232,7 +232,7 @@ def test_judging_given_captures_needs_no_torch(identical, tmp_path):
     import sys
 
     res, _, _ = identical
-    code = (f"import sys\nfrom accucheck.signoff import signoff\n"
+    code = (f"import sys\nfrom accucheck.signoff.run import signoff\n"
             f"r = signoff({str(SCN / 'tiny-identical.toml')!r}, ref={res.ref_path!r}, "
             f"cand={res.cand_path!r}, golden={res.golden_path!r}, "
             f"out_dir={str(tmp_path / 'o')!r})\n"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from accucheck.locate import analyze
-from accucheck.scenario import Thresholds, load_scenario
-from accucheck.signoff import Regression, RegressionItem, compare_previous, headline, judge
+from accucheck.verdict.locate import analyze
+from accucheck.signoff.scenario import Thresholds, load_scenario
+from accucheck.signoff.run import Regression, RegressionItem, compare_previous, headline, judge
 from test_diff import base, write
 
 ROOT = Path(__file__).resolve().parents[1]

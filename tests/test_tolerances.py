@@ -10,11 +10,11 @@ import pytest
 import diffcases
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
-from accucheck.metrics import tensor_metrics
-from accucheck.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
-                                  NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
-                                  NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
-                                  ToleranceTable, loosest_dtype, parse_override)
+from accucheck.compare.metrics import tensor_metrics
+from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
+                                          NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
+                                          NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
+                                          ToleranceTable, loosest_dtype, parse_override)
 
 K = RecordKey.parse("r0.s1:model.layers.3.mlp#0:out.0")
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +71,8 @@ def test_documented_defaults_reach_the_diff_and_locate(tmp_path):
     runs' dtype, the golden multiplier by the runs' dtype, locate's amplification."""
     from test_diff import base, write
 
-    from accucheck.diff import diff_captures
-    from accucheck.locate import analyze
+    from accucheck.compare.diff import diff_captures
+    from accucheck.verdict.locate import analyze
 
     t = base()
     for run_dtype, tol, mult in (("float32", DOC["float32"], DOC["golden_32"]),
@@ -222,7 +222,7 @@ def cal(tiny, tmp_path_factory):
 
 
 def _max_error(ref, cand):
-    from accucheck.diff import diff_captures
+    from accucheck.compare.diff import diff_captures
 
     return diff_captures(ref, cand)
 

@@ -1,4 +1,4 @@
-"""The verdict rules of accucheck.locate and accucheck.culprit, probed where a plausible wrong rule
+"""The verdict rules of verdict.locate and verdict.culprit, probed where a plausible wrong rule
 gives another answer (issue 16: tests that can fail). DiffResults are built record by record
 (exact rel_l2 values, no files, no model), so boundaries (err == amplification x explained, a
 gain of exactly factor x the peers' median, a local error of exactly the tolerance) are hit
@@ -10,14 +10,14 @@ import math
 
 import pytest
 
-from accucheck.culprit import Culprit, culprit_lines, find_culprit, precision_finding
-from accucheck.diff import DiffResult, GoldenLabel, RecordDiff
+from accucheck.verdict.culprit import Culprit, culprit_lines, find_culprit, precision_finding
+from accucheck.compare.diff import DiffResult, GoldenLabel, RecordDiff
 from accucheck.keys import RecordKey
-from accucheck.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
-                              locate, noise_floor)
-from accucheck.metrics import TensorMetrics
-from accucheck.opmatch import OneSided, OpAlignment
-from accucheck.tolerances import Tolerance
+from accucheck.verdict.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
+                                      locate, noise_floor)
+from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.opmatch import OneSided, OpAlignment
+from accucheck.compare.tolerances import Tolerance
 
 TOL = 1e-2
 E = 2.0 ** -8          # an exactly representable input error for the noise-floor cases
@@ -116,7 +116,7 @@ def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path
     from test_verdicts import Run, cap
 
     from accucheck.errors import UserError
-    from accucheck.locate import analyze
+    from accucheck.verdict.locate import analyze
 
     run = Run()
     run.add("r0.s0:model.embed_tokens#0:out.0")

@@ -12,13 +12,13 @@ import math
 import numpy as np
 import pytest
 
-from accucheck.culprit import culprit_lines, find_culprit
+from accucheck.verdict.culprit import culprit_lines, find_culprit
 from accucheck.keys import RecordKey
-from accucheck.locate import analyze, peer_kind
-from accucheck.report import render, to_json, verdict_line
+from accucheck.verdict.locate import analyze, peer_kind
+from accucheck.report.diff import render, to_json, verdict_line
 from accucheck.store import CaptureWriter
-from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
-                                  NOISE_FLOOR_MIN_FRACTION)
+from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+                                          NOISE_FLOOR_MIN_FRACTION)
 
 H = 64
 _RUNS = itertools.count()

@@ -152,7 +152,7 @@ def test_eager_matches_transformers_within_fp32_noise(hf_full, eager):
               m.split(".")[-1].isdigit()}
     assert len(layers) == 4 and "logits" in worst
     assert max(worst.values()) < FP32_NOISE, worst
-    from accucheck.diff import diff_captures
+    from accucheck.compare.diff import diff_captures
 
     result = diff_captures(hf_full, eager)
     assert result, [str(r.key) for r in result.failed][:5]
@@ -200,7 +200,7 @@ def test_graph_matches_eager_and_transformers(hf_full, eager, graph):
     with open_capture(graph) as g:
         assert not np.array_equal(g.read("r0.s1:model.layers.0#0:out.0"),
                                   g.read("r0.s2:model.layers.0#0:out.0"))
-    from accucheck.diff import diff_captures
+    from accucheck.compare.diff import diff_captures
 
     assert diff_captures(eager, graph)
     assert diff_captures(hf_full, graph)

@@ -1,4 +1,4 @@
-"""A candidate that runs other weights than the reference is said so by `diff` (accucheck.weights,
+"""A candidate that runs other weights than the reference is said so by `diff` (compare.weights,
 from each capture's meta "weights")."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from accucheck.capture.api import capture_model
 from accucheck.capture.stats import weight_table
-from accucheck.diff import diff_captures
-from accucheck.weights import weight_differences, weight_notes
+from accucheck.compare.diff import diff_captures
+from accucheck.compare.weights import weight_differences, weight_notes
 
 W = "model.layers.1.mlp.up_proj.weight"
 

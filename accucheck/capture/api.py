@@ -174,7 +174,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                   "config": _config_dict(model),
                   "attn_implementation": getattr(getattr(model, "config", None),
                                                  "_attn_implementation", None)},
-        "weights": weight_table(model),  # per weight: checksum + samples (accucheck.weights)
+        "weights": weight_table(model),  # per weight: checksum + samples (compare.weights)
         "stats_kernel": kernel_status(),
         "modules": modules,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},

@@ -62,7 +62,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.stats import StepStats, _no_modes
+# tensor_stats / to_host live in stats (which uses them too); kept importable from here
+from accucheck.capture.stats import StepStats, _no_modes, tensor_stats, to_host  # noqa: F401
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, is_layer_block, layer_of
 from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
@@ -75,7 +76,6 @@ _POSITION_CLASSES = ("RotaryEmbedding",)
 _HEAD_NAMES = ("lm_head",)  # its output is the `logits` record
 # never recorded: pass-through modules, and containers that are never called
 _SKIP_CLASSES = ("Dropout", "Identity", "ModuleList", "ModuleDict")
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def default_modules(model: nn.Module) -> list[str]:
@@ -137,34 +137,6 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] followed by SAMPLE_SIZE
-    values at fixed positions (store.py, /index/sample), as one float64 tensor on t's device: a
-    few fused reductions and one gather, no host sync. `finish_stats` turns the row into the
-    stored one on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
-    exact); `finish_stats` recomputes them over the finite values when the tensor is at hand."""
-    x = t.detach()
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-    n = xf.numel()
-    if n:
-        mn, mx = torch.aminmax(xf)
-    else:
-        mn = mx = xf.sum()
-    bits = x.view(_BITS[x.element_size()]) if x.is_floating_point() else x
-    vals = torch.stack([mn, mx, xf.sum(), torch.linalg.vector_norm(xf)]).to(torch.float64)
-    counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum(), (xf == 0).sum(),
-                          torch.remainder(bits.sum(), 2**52)]).to(torch.float64)
-    flat = xf.reshape(-1)
-    if n >= SAMPLE_SIZE:
-        idx = torch.arange(SAMPLE_SIZE, device=xf.device) * (n - 1) // (SAMPLE_SIZE - 1)
-        sample = flat[idx].to(torch.float64)
-    else:
-        sample = torch.cat([flat.to(torch.float64),
-                            torch.full((SAMPLE_SIZE - n,), float("nan"), dtype=torch.float64,
-                                       device=xf.device)])
-    return torch.cat([vals, counts, sample])
-
-
 def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
     """Stored statistics row (store.STAT_FIELDS, then the SAMPLE_SIZE sampled values) from a
     `tensor_stats` row. `host` (the exact values, when captured) lets a NaN/Inf-holding tensor
@@ -183,15 +155,6 @@ def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) ->
     return np.concatenate([
         np.array([mn, mx, mean, np.sqrt(var), absmax, l2, nan, inf, zero, numel], dtype=np.float64),
         np.asarray(raw[8:8 + SAMPLE_SIZE], dtype=np.float64)])
-
-
-def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """Copy to a numpy array in the stored representation (bfloat16 -> uint16 bits)."""
-    x = t.detach().to("cpu", copy=True).contiguous()
-    dtype = str(x.dtype).replace("torch.", "")
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(np.uint16), dtype
-    return x.numpy(), dtype
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

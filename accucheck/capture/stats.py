@@ -4,7 +4,7 @@ Imports torch, numpy, accucheck.store (SAMPLE_SIZE) and, lazily, the C kernel ne
 (built with the system C compiler, loaded with ctypes); never h5py.
 
 What a record stores does not change (store.py: /index/stats, /index/checksum, /index/sample;
-accucheck.capture.recorder.tensor_stats is the reference definition): min, max, sum (-> mean),
+tensor_stats below is the reference definition): min, max, sum (-> mean),
 L2 (-> std), NaN / Inf / zero counts, the bit-pattern checksum and 64 values sampled at fixed
 positions. How they are computed:
 
@@ -440,14 +440,49 @@ class StepStats:
         return raw, hosts
 
 
+def tensor_stats(t: torch.Tensor) -> torch.Tensor:
+    """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] followed by SAMPLE_SIZE
+    values at fixed positions (store.py, /index/sample), as one float64 tensor on t's device: a
+    few fused reductions and one gather, no host sync. `finish_stats` turns the row into the
+    stored one on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
+    exact); `finish_stats` recomputes them over the finite values when the tensor is at hand."""
+    x = t.detach()
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    n = xf.numel()
+    if n:
+        mn, mx = torch.aminmax(xf)
+    else:
+        mn = mx = xf.sum()
+    bits = x.view(_BITS[x.element_size()]) if x.is_floating_point() else x
+    vals = torch.stack([mn, mx, xf.sum(), torch.linalg.vector_norm(xf)]).to(torch.float64)
+    counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum(), (xf == 0).sum(),
+                          torch.remainder(bits.sum(), 2**52)]).to(torch.float64)
+    flat = xf.reshape(-1)
+    if n >= SAMPLE_SIZE:
+        idx = torch.arange(SAMPLE_SIZE, device=xf.device) * (n - 1) // (SAMPLE_SIZE - 1)
+        sample = flat[idx].to(torch.float64)
+    else:
+        sample = torch.cat([flat.to(torch.float64),
+                            torch.full((SAMPLE_SIZE - n,), float("nan"), dtype=torch.float64,
+                                       device=xf.device)])
+    return torch.cat([vals, counts, sample])
+
+
+def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """Copy to a numpy array in the stored representation (bfloat16 -> uint16 bits)."""
+    x = t.detach().to("cpu", copy=True).contiguous()
+    dtype = str(x.dtype).replace("torch.", "")
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16), dtype
+    return x.numpy(), dtype
+
+
 def _transfer(x: torch.Tensor) -> np.ndarray:
     """Device -> host (nothing to move on the CPU): the step's statistics, once."""
     return x.cpu().numpy()
 
 
 def _legacy_row(t: torch.Tensor) -> np.ndarray:
-    from accucheck.capture.recorder import tensor_stats
-
     return tensor_stats(t).cpu().numpy()
 
 
@@ -467,8 +502,6 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
     one copy kernel into a new numpy array."""
     np_dtype = _NUMPY.get(t.dtype) if t.is_cpu else None
     if np_dtype is None:
-        from accucheck.capture.recorder import to_host
-
         return to_host(t)[0]
     arr = np.empty(tuple(t.shape), dtype=np_dtype)
     dst = torch.from_numpy(arr)
@@ -495,7 +528,7 @@ def weight_table(model: torch.nn.Module) -> dict:
     those dtypes (float weights of another dtype; how a float32 and a bfloat16 copy of one
     checkpoint are compared exactly), "sample": WEIGHT_SAMPLES values at fixed flat positions
     (null past the end and for NaN / Inf)}. A few statistics passes per weight, once per
-    capture. accucheck.weights compares two tables by name: a candidate that runs other
+    capture. accucheck.compare.weights compares two tables by name: a candidate that runs other
     weights than the reference is said so by `diff`."""
     eng = StepStats()
     out: dict[str, dict] = {}

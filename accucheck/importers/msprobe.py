@@ -22,7 +22,7 @@ What maps (every record of one msprobe step lands in accucheck step N, request 0
   construct.json (an API with no enclosing module -> module "<top>", call 0), and `i`
   counts the dumped APIs inside that module call, in dump order. msprobe's own per-API counter
   `k` is global to the step and is NOT used: accucheck aligns the op sequences of each module
-  call (accucheck.opmatch), so one fused kernel does not shift every later op. The call site
+  call (accucheck.compare.opmatch), so one fused kernel does not shift every later op. The call site
   ("transformers/models/llama/modeling_llama.py:64 in forward", the innermost frame outside
   torch and msprobe) comes from stack.json.
 - statistics-mode dumps -> statistics records: min / max / mean / l2 from msprobe's Min / Max /

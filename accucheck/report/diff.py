@@ -13,8 +13,9 @@ import json
 import math
 from typing import Any
 
-from accucheck.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
-from accucheck.locate import Analysis, Divergence, RecordLocation
+from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
+from accucheck.verdict.locate import Analysis
+from accucheck.verdict.types import Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")
 SCHEMA = "accucheck.diff"
@@ -291,7 +292,7 @@ def to_csv(a: Analysis) -> str:
 # ----------------------------------------------------------------------------- table / md
 
 def to_text(a: Analysis, md: bool = False) -> str:
-    from tabulate import tabulate  # lazy: keeps `import accucheck.report` light
+    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
 
     fmt = "github" if md else "simple"
     d, L = a.diff, a.location
@@ -303,9 +304,9 @@ def to_text(a: Analysis, md: bool = False) -> str:
                + (f", {d.skipped} skipped" if d.skipped else ""))
     for n in d.notes:
         out.append(f"NOTE: {n}")
-    culprit = a.culprit  # module + op with evidence (accucheck.culprit)
+    culprit = a.culprit  # module + op with evidence (accucheck.verdict.culprit)
     if culprit is not None:
-        from accucheck.culprit import culprit_lines
+        from accucheck.verdict.culprit import culprit_lines
 
         out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
     elif L.diffuse:

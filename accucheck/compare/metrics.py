@@ -6,7 +6,7 @@ Conventions (a = reference, b = candidate, both any shape, compared flat):
   that differ are counted by `nan_inf_mismatch` and judged on their own.
 - Relative error of one element: |a - b| / |a|; 0 where a == b (also 0 == 0), inf where a == 0
   and b != 0. So `max_rel` is dominated by near-zero reference elements: report it, never judge a
-  tensor by it (the tensor-level criterion is `rel_l2`, see accucheck.tolerances).
+  tensor by it (the tensor-level criterion is `rel_l2`, see accucheck.compare.tolerances).
 - `rel_l2` = ||a - b|| / ||a||; `cosine` = a.b / (||a|| ||b||) (1.0 for two zero tensors);
   `sqnr_db` = 10 log10(||a||^2 / ||a - b||^2) (inf when identical); `rmse` = ||a - b|| / sqrt(n).
 - `max_ulp`: largest distance in units in the last place of the COARSER dtype of the pair (values

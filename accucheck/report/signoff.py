@@ -1,7 +1,8 @@
 """Render a SignoffResult: report.json, report.md, self-contained report.html, plots. Formats only.
 
-Imports signoff (its records), report (the diff's JSON and verdict line), tabulate; matplotlib
-lazily (optional extra "plots": without it the reports say so and carry no plots).
+Imports report.signoff_result (the records), report.diff (the diff's JSON), verdict.culprit,
+tabulate; matplotlib lazily (optional extra "plots": without it the reports say so and carry
+no plots).
 
 `write_report(result, out_dir)` writes:
     report.json   machine-readable verdict, schema "accucheck.signoff" (docs/signoff-json.md)
@@ -22,9 +23,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from accucheck.report import BASIS_MARK
-from accucheck.report import to_json as diff_to_json
-from accucheck.signoff import SignoffResult, _g
+from accucheck.report.diff import BASIS_MARK
+from accucheck.report.diff import to_json as diff_to_json
+from accucheck.report.signoff_result import SignoffResult, fmt_number
 
 SCHEMA = "accucheck.signoff"
 SCHEMA_VERSION = 1
@@ -154,8 +155,8 @@ def _cos(x: float | None) -> str:
 def check_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in r.checks:
-        lim = "-" if c.limit is None else f"{c.op} {_g(c.limit)}"
-        val = _cos(c.value) if c.name == "layer_cosine" else _g(c.value)
+        lim = "-" if c.limit is None else f"{c.op} {fmt_number(c.limit)}"
+        val = _cos(c.value) if c.name == "layer_cosine" else fmt_number(c.value)
         rows.append(["PASS" if c.passed else "FAIL", c.name, val, lim, c.detail])
     return ["", "check", "value", "limit", "detail"], rows
 
@@ -191,10 +192,10 @@ def layer_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
         row = [str(ly)]
         for s in steps:
             c = cell.get((ly, s))
-            row.append("-" if c is None else f"{_g(c.rel_l2)} / {_cos(c.cosine)}"
+            row.append("-" if c is None else f"{fmt_number(c.rel_l2)} / {_cos(c.cosine)}"
                        + ("" if c.within else " *"))
         ok = all(p.within for p in curve if p.layer == ly)
-        row += [_g(worst[ly].rel_l2), "ok" if ok else "over tolerance"]
+        row += [fmt_number(worst[ly].rel_l2), "ok" if ok else "over tolerance"]
         if golden:
             row.append(golden.get(ly, "-"))
         rows.append(row)
@@ -211,10 +212,10 @@ def token_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
         ss = by_step[st]
         pos = [p for s in ss for p in s.positions]
         gen = [s.positions[-1] for s in ss if s.positions]
-        rows.append([str(st), str(len(pos)), _g(max((p.kl for p in pos), default=0.0)),
+        rows.append([str(st), str(len(pos)), fmt_number(max((p.kl for p in pos), default=0.0)),
                      f"{sum(p.agree for p in pos)}/{len(pos)}",
                      f"{sum(p.agree for p in gen)}/{len(gen)}",
-                     _g(min((p.top5_overlap for p in pos), default=1.0))])
+                     fmt_number(min((p.top5_overlap for p in pos), default=1.0))])
     return ["step", "positions", "max KL", "top-1 agree (all positions)",
             "generated token agrees", "min top-5 overlap"], rows
 
@@ -223,7 +224,7 @@ def flip_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     rows = []
     for f in r.analysis.diff.flips:
         rows.append([str(f.req), str(f.step), str(f.position), str(f.ref_token),
-                     str(f.cand_token), _g(f.margin), _g(f.noise), f.label])
+                     str(f.cand_token), fmt_number(f.margin), fmt_number(f.noise), f.label])
     return ["request", "step", "position", "ref token", "cand token", "ref margin",
             "logit noise", "label"], rows
 
@@ -253,8 +254,8 @@ def worst_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
     for x in recs:
         loc = locs[str(x.key)]
         row = [str(x.key), "ok" if x.within else (loc.cause or "over"),
-               _g(x.error) + BASIS_MARK.get(x.basis, ""), _g(loc.input_error),
-               _cos(x.cosine), _g(x.tolerance.rel_l2)]
+               fmt_number(x.error) + BASIS_MARK.get(x.basis, ""), fmt_number(loc.input_error),
+               _cos(x.cosine), fmt_number(x.tolerance.rel_l2)]
         if has_golden:
             row.append(x.golden.label if x.golden else "-")
         rows.append(row)
@@ -266,12 +267,13 @@ def regression_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     if r.regression is None:
         return [], []
     return ["metric", "last release", "this run", "change"], [
-        [i.metric, _g(i.previous), _g(i.current), i.change] for i in r.regression.items]
+        [i.metric, fmt_number(i.previous), fmt_number(i.current), i.change]
+        for i in r.regression.items]
 
 
 def divergence_lines(r: SignoffResult) -> list[str]:
-    """The culprit block: the same Culprit (accucheck.culprit) that `accucheck diff` prints."""
-    from accucheck.culprit import culprit_lines
+    """The culprit block: the same Culprit (verdict.culprit) that `accucheck diff` prints."""
+    from accucheck.verdict.culprit import culprit_lines
 
     a = r.analysis
     L = a.location
@@ -279,28 +281,32 @@ def divergence_lines(r: SignoffResult) -> list[str]:
     if fd is None and L.diffuse:
         fo, wo = L.first_over, L.worst
         return [f"No culprit: {len(a.diff.failed)} records over tolerance, but each is explained "
-                f"by what feeds it (diffuse / inherited error, x{_g(L.amplification)} rule).",
+                f"by what feeds it (diffuse / inherited error, "
+                f"x{fmt_number(L.amplification)} rule).",
                 f"First over tolerance: {fo.module} (step {fo.step}, request {fo.key.req}), "
-                f"rel_l2 {_g(fo.error)}; largest: {wo.module} (step {wo.step}, request "
-                f"{wo.key.req}), rel_l2 {_g(wo.error)} (tolerance {_g(wo.tolerance)})."]
+                f"rel_l2 {fmt_number(fo.error)}; largest: {wo.module} (step {wo.step}, request "
+                f"{wo.key.req}), rel_l2 {fmt_number(wo.error)} "
+                f"(tolerance {fmt_number(wo.tolerance)})."]
     if fd is None:
         lines = ["No record is over tolerance: no divergence to locate."]
         for x in L.suspicious[:3]:
-            lines.append(f"Suspicious (noise floor): {x.key}: rel_l2 {_g(x.error)}, amplifies "
-                         f"its input error x{_g(x.gain)}, its {x.peers} peers "
-                         f"x{_g(x.peers_median)}")
+            lines.append(f"Suspicious (noise floor): {x.key}: rel_l2 {fmt_number(x.error)}, "
+                         f"amplifies "
+                         f"its input error x{fmt_number(x.gain)}, its {x.peers} peers "
+                         f"x{fmt_number(x.peers_median)}")
         return lines
     rec = a.diff.record(fd.key)
     lines = [x.strip() for x in culprit_lines(a.culprit)]
     lines.append(f"Cause: introduced here: its output error is more than "
-                 f"{_g(L.amplification)}x what feeds it")
+                 f"{fmt_number(L.amplification)}x what feeds it")
     if fd.path:
         lines.append("Inside: " + " > ".join(fd.path))
     if fd.input_from:
         lines.append(f"Input error ({fd.input_basis}) from: " + ", ".join(fd.input_from[:4]))
     if rec.golden is not None:
-        lines.append(f"Golden referee: {rec.golden.label} (ref RMSE {_g(rec.golden.ref_rmse)}, "
-                     f"cand RMSE {_g(rec.golden.cand_rmse)})")
+        lines.append(f"Golden referee: {rec.golden.label} "
+                     f"(ref RMSE {fmt_number(rec.golden.ref_rmse)}, "
+                     f"cand RMSE {fmt_number(rec.golden.cand_rmse)})")
     elif a.diff.golden_path is None:
         lines.append("Golden referee: none (add a [golden] run, e.g. dtype = \"float64\" on "
                      "the CPU, to tell whose error it is)")
@@ -343,7 +349,8 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     out += ["## Tokens and logits", "",
             f"token agreement: {_pct(m.token_agreement)} of {m.tokens_compared} generated "
             f"tokens; top-1 agreement: {_pct(m.top1_agreement)} of {m.logits_positions} "
-            f"positions; max KL: {_g(m.max_logits_kl)}; flips: {m.near_tie_flips} near-tie, "
+            f"positions; max KL: {fmt_number(m.max_logits_kl)}; "
+            f"flips: {m.near_tie_flips} near-tie, "
             f"{m.real_flips} real", ""]
     head, rows = token_rows(r)
     if rows:
@@ -470,7 +477,7 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     b += ["<h2>Tokens and logits</h2>",
           f"<p>token agreement: <b>{_pct(m.token_agreement)}</b> of {m.tokens_compared} "
           f"generated tokens; top-1 agreement: <b>{_pct(m.top1_agreement)}</b> of "
-          f"{m.logits_positions} positions; max KL: <b>{_e(_g(m.max_logits_kl))}</b>; "
+          f"{m.logits_positions} positions; max KL: <b>{_e(fmt_number(m.max_logits_kl))}</b>; "
           f"flips: {m.near_tie_flips} near-tie, {m.real_flips} real</p>"]
     head, rows = token_rows(r)
     if rows:

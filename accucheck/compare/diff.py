@@ -5,13 +5,13 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
 
 - Alignment is by record key (never by position). Keys present on one side only are listed in
   `missing`; records whose shapes differ are kept with basis "shape" and fail. Tolerances come
-  from the two runs' compute dtypes (meta "dtype", see accucheck.tolerances): a record held in
+  from the two runs' compute dtypes (meta "dtype", see compare.tolerances): a record held in
   another dtype on each side while the runs share one is a precision finding
   (`DiffResult.precision_findings`), never a looser tolerance.
 - Prompts must match request by request, else UserError (exit 3). Generated tokens may differ:
   then only the steps up to and including the first differing token's step are compared (that
   step's logits are what chose the different token), and a note says so loudly.
-- When both sides hold the tensor (store "full"), metrics are exact (accucheck.metrics, chunked,
+- When both sides hold the tensor (store "full"), metrics are exact (compare.metrics, chunked,
   bounded memory). Otherwise the index statistics give a LOWER BOUND on rel_l2 (basis "stats"):
   a failure is certain, a pass is weaker, and the result says so.
 - Logits records (kind "logits") also get per-position KL(ref||cand), top-1 agreement, top-5
@@ -22,7 +22,7 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
   a floor of a tenth of the tolerance; the referee then decides `within` (a record fails only
   when the candidate is worse), `within_tolerance` keeps the tolerance's verdict.
 - Producer links the capture stored (/index/extra "src") travel with each record as `src`, for
-  accucheck.locate's input errors.
+  accucheck.verdict.locate's input errors.
 - Candidate records with role "shadow" (shadow replay) are paired with the reference's "out"
   record of the same site: their error is the local error of that module.
 
@@ -39,16 +39,16 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from accucheck.compat import check_same_model
+from accucheck.compare.compat import check_same_model
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
-from accucheck.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
-                               logit_noise, top2_margin, topk_overlap)
-from accucheck.opmatch import OpAlignment, align_captures
+from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
+                                       logit_noise, top2_margin, topk_overlap)
+from accucheck.compare.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
-from accucheck.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
-                                  loosest_dtype)
-from accucheck.weights import weight_notes
+from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
+                                          loosest_dtype)
+from accucheck.compare.weights import weight_notes
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
 Progress = Callable[[str], None]
@@ -96,7 +96,7 @@ class RecordDiff:
     shadow: TensorMetrics | None = None   # candidate's shadow replay vs reference output
     golden: GoldenLabel | None = None
     cand_key: RecordKey | None = None     # op records: the candidate's key when alignment
-                                          # paired another op index / op (accucheck.opmatch)
+                                          # paired another op index / op (accucheck.compare.opmatch)
     src: tuple[tuple[str, str], ...] = ()  # (input slot, producer key) links stored by the
                                            # capture (/index/extra "src"), same request/step
 
@@ -235,7 +235,7 @@ class DiffResult:
     skipped: int                             # aligned keys not compared (beyond token divergence)
     notes: tuple[str, ...]                   # things the reader must know (said loudly)
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
-    ops: OpAlignment | None = None           # op-level alignment (accucheck.opmatch), if any
+    ops: OpAlignment | None = None           # op-level alignment (compare.opmatch), if any
     compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
 
     @property
@@ -285,7 +285,7 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     """Compare candidate against reference (and both against `golden` when given).
 
     Captures of different model architectures (config hash in meta) are refused (UserError,
-    exit 3) unless `allow_model_mismatch` (accucheck.compat).
+    exit 3) unless `allow_model_mismatch` (accucheck.compare.compat).
 
     `steps`: compare only these steps; `include`: only keys matching one of these globs (matched
     like tolerance overrides: full key, key without request/step, or module path). Paths are
@@ -383,7 +383,7 @@ class _Differ:
     # -- main
     def run(self) -> DiffResult:
         limits, flip = self._token_limits()
-        self.notes += weight_notes(self.R.meta, self.C.meta)  # accucheck.weights
+        self.notes += weight_notes(self.R.meta, self.C.meta)  # accucheck.compare.weights
         glimits = self._golden_limits() if self.G is not None else {}
 
         def comparable(key: RecordKey, lim: dict) -> bool:
@@ -395,7 +395,7 @@ class _Differ:
             if row.key.role == "shadow" and row.key not in self.R:
                 shadows[str(row.key.with_role("out"))] = row
         # op records (role in/out) pair by alignment inside each module call, never by key
-        # (accucheck.opmatch): ops on one side only are "fused / absent", not missing keys
+        # (accucheck.compare.opmatch): ops on one side only are "fused / absent", not missing keys
         missing = [MissingKey(str(r.key), "ref") for r in self.R.rows
                    if self._wanted(r.key) and r.key not in self.C and r.key.op is None]
         missing += [MissingKey(str(r.key), "cand") for r in self.C.rows

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from accucheck.errors import UserError
-from accucheck.tolerances import ToleranceTable
+from accucheck.compare.tolerances import ToleranceTable
 
 TINY = "@tiny"
 RUNNERS = ("hf", "vllm")

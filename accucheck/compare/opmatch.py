@@ -112,7 +112,7 @@ def op_ident(key: RecordKey) -> str:
 def op_calls(rows: Sequence[IndexRow], wanted: Callable[[RecordKey], bool] | None = None
              ) -> dict[tuple[int, int, str, int], list[OpCall]]:
     """Op calls grouped by module call (req, step, module, call), in execution order. Shadow
-    records are left out (they pair by key, see accucheck.diff)."""
+    records are left out (they pair by key, see accucheck.compare.diff)."""
     parts: dict[tuple, dict] = {}
     for r in rows:
         k = r.key

@@ -1,6 +1,6 @@
 """Release sign-off: scenario -> captures -> diff -> thresholds -> verdict. Imports errors,
-scenario, store, locate, report (the diff's JSON), tolerances; the capture API (torch) only when
-a run has to be captured, the report writer (matplotlib) only when writing.
+scenario, store, verdict, report (its records, the diff's JSON), tolerances; the capture API
+(torch) only when a run has to be captured, the report writer (matplotlib) only when writing.
 
 `signoff(scenario, ref=None, cand=None, out_dir=...)` -> `SignoffResult` (bool() = pass):
 
@@ -24,14 +24,17 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK, UserError
-from accucheck.locate import Analysis, analyze
-from accucheck.scenario import TINY, Scenario, load_scenario, with_captures
-from accucheck.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
+from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
+from accucheck.errors import UserError
+# the records live in report.signoff_result (the report reads them too); kept importable here
+from accucheck.report.signoff_result import (Check, EnvRow, Metrics, Regression,  # noqa: F401
+                                             RegressionItem, SignoffResult, fmt_number)
+from accucheck.signoff.scenario import TINY, Scenario, load_scenario, with_captures
+from accucheck.verdict.locate import Analysis, analyze
 
 Progress = Callable[[str], None]
 REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")
@@ -42,168 +45,6 @@ METRIC_DIRECTIONS = {
     "real_flips": "lower", "near_tie_flips": "lower", "top1_agreement": "higher",
     "token_agreement": "higher", "min_layer_cosine": "higher",
 }
-
-
-# ----------------------------------------------------------------------------- records
-
-@dataclass(frozen=True)
-class Check:
-    """One threshold applied to the diff. `op` is "<=" or ">=" (value op limit must hold)."""
-    name: str
-    passed: bool
-    value: float | int | None
-    limit: float | int | None
-    op: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """Headline numbers of one comparison (None: nothing to measure, e.g. no logits stored)."""
-    records_compared: int
-    records_over_tolerance: int
-    missing_keys: int
-    basis: str                        # "tensor" | "sample" | "stats" | "mixed"
-    max_layer_rel_l2: float | None    # decoder-layer outputs, all steps and requests
-    min_layer_cosine: float | None
-    max_logits_kl: float | None
-    top1_agreement: float | None      # over every compared logits position
-    logits_positions: int
-    token_agreement: float | None     # over generated tokens (see token_stats)
-    tokens_compared: int
-    near_tie_flips: int
-    real_flips: int
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class EnvRow:
-    field: str
-    ref: str
-    cand: str
-
-    @property
-    def differs(self) -> bool:
-        return self.ref != self.cand
-
-
-@dataclass(frozen=True)
-class RegressionItem:
-    metric: str
-    previous: float | int | None
-    current: float | int | None
-    change: str                       # "same" | "better" | "worse" | "n/a"
-
-
-@dataclass(frozen=True)
-class Regression:
-    previous: str                     # path of the previous report.json / capture
-    verdict: str                      # "same" | "better" | "worse"
-    items: tuple[RegressionItem, ...]
-    note: str = ""
-
-    @property
-    def sentence(self) -> str:
-        return {"same": "same as last release", "better": "better than last release",
-                "worse": "worse than last release"}[self.verdict]
-
-
-@dataclass(frozen=True)
-class SignoffResult:
-    """The verdict and its evidence. bool() = pass; `exit_code` 0 pass / 1 fail."""
-    scenario: Scenario
-    analysis: Analysis
-    ref_path: str
-    cand_path: str
-    golden_path: str | None
-    ref_meta: dict
-    cand_meta: dict
-    metrics: Metrics
-    checks: tuple[Check, ...]
-    environment: tuple[EnvRow, ...]
-    regression: Regression | None
-    seconds: float
-    out_dir: Path | None = None
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.passed else "fail"
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_OK if self.passed else EXIT_DIVERGENCE
-
-    @property
-    def failed_checks(self) -> tuple[Check, ...]:
-        return tuple(c for c in self.checks if not c.passed)
-
-    @property
-    def planted_faults(self) -> list[str]:
-        return [f"{role}: {m['planted_fault']}" for role, m in
-                (("reference", self.ref_meta), ("candidate", self.cand_meta))
-                if m.get("planted_fault")]
-
-    @property
-    def culprit(self) -> str | None:
-        """The diff's culprit (module#call / op@index), the same one `accucheck diff` names."""
-        c = self.analysis.culprit
-        return c.where if c is not None else None
-
-    @property
-    def summary(self) -> str:
-        """The verdict sentence: PASS / FAIL and why, in one sentence."""
-        s, m = self.scenario, self.metrics
-        what = f"{s.name}: {s.candidate.label} vs {s.reference.label}"
-        if self.passed:
-            bits = [f"{m.records_compared} records within tolerance"]
-            if m.max_layer_rel_l2 is not None:
-                bits.append(f"max layer rel_l2 {_g(m.max_layer_rel_l2)}")
-            if m.token_agreement is not None:
-                bits.append(f"token agreement {m.token_agreement:.1%}")
-            if m.near_tie_flips:
-                bits.append(f"{m.near_tie_flips} near-tie token flip(s) allowed")
-            if self.regression is not None:
-                bits.append(self.regression.sentence)
-            return f"PASS: {what}: " + ", ".join(bits) + "."
-        fd = self.analysis.location.first_divergence
-        why = []
-        if fd is not None:
-            rec = self.analysis.diff.record(fd.key)
-            gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
-            why.append(f"divergence starts at step {fd.step}, {self.culprit} "
-                       f"({fd.cause}, rel_l2 {_g(fd.error)} > tolerance {_g(fd.tolerance)}{gold})")
-        elif self.analysis.location.diffuse:
-            fo = self.analysis.location.first_over
-            why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
-                       f" first at step {fo.step} {fo.module}; no culprit named")
-        for c in self.failed_checks:
-            if c.name == "records" and (fd is not None or self.analysis.location.diffuse):
-                continue
-            why.append(c.detail)
-        return f"FAIL: {what}: " + "; ".join(why) + "."
-
-
-def _g(x: float | int | None) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, int):
-        return str(x)
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if math.isnan(x):
-        return "nan"
-    if x == 0:
-        return "0"
-    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -356,7 +197,7 @@ def prepare_out_dir(out_dir: str | os.PathLike, force: bool) -> Path:
 def write_report_safely(result: "SignoffResult", out: Path) -> None:
     """Write the report files into `out`, replacing an earlier report only when the new one is
     complete: the old files are moved aside first and put back if writing fails."""
-    from accucheck.signoff_report import write_report
+    from accucheck.report.signoff import write_report
 
     old = [out / n for n in REPORT_FILES if (out / n).exists() or (out / n).is_symlink()]
     aside = Path(tempfile.mkdtemp(dir=out, prefix=".accucheck-old-report-")) if old else None
@@ -554,7 +395,7 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
             return
         ok = value is not None and value <= limit
         checks.append(Check(name, ok, value, limit, "<=",
-                            f"{what} {_g(value)} {'<=' if ok else '>'} {_g(limit)}"
+                            f"{what} {fmt_number(value)} {'<=' if ok else '>'} {fmt_number(limit)}"
                             if value is not None else f"{what}: nothing to measure"))
 
     def lower(name, value, limit, what):
@@ -624,7 +465,8 @@ def _first_flip(d, *, real: bool) -> str:
     f = next((f for f in d.flips if (f.near_tie is not True) == real), None)
     if f is None:
         return ""
-    why = "" if f.margin is None else f", margin {_g(f.margin)} vs noise {_g(f.noise)}"
+    why = ("" if f.margin is None
+           else f", margin {fmt_number(f.margin)} vs noise {fmt_number(f.noise)}")
     return f"; first at request {f.req} step {f.step} (ref {f.ref_token} vs cand {f.cand_token}" \
            f"{why})"
 

@@ -11,7 +11,7 @@ The dtype that picks the row is the LOOSEST of the two captures' compute dtypes 
 not of the record pair: a float32 logits tensor of a bfloat16 model is judged as bfloat16, a
 float32-vs-bfloat16 run pair as bfloat16 (a whole-run dtype difference sets the tolerance, it is
 not an error), and a record that the candidate computes in float16 inside a float32 model is
-judged at float32 (and reported as a precision finding, accucheck.diff). Integer / bool records
+judged at float32 (and reported as a precision finding, compare.diff). Integer / bool records
 are exact; captures without a meta dtype fall back to the record dtypes.
 
 Calibration of DEFAULT_REL_L2 (tests/test_tolerances.py re-measures it on the tiny model):
@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
-from accucheck.metrics import DTYPE_EPS, TensorMetrics
+from accucheck.compare.metrics import DTYPE_EPS, TensorMetrics
 
 DEFAULT_REL_L2: dict[str, float] = {
     "float64": 1e-10,
@@ -48,11 +48,11 @@ DEFAULT_REL_L2: dict[str, float] = {
 EXACT_REL_L2 = 0.0  # integer / bool / unknown dtypes
 
 # Three-way referee (torch._dynamo `same()` spirit): a side is worse when its RMSE to the golden
-# exceeds the other's by this multiplier (plus a noise floor, see accucheck.diff).
+# exceeds the other's by this multiplier (plus a noise floor, see accucheck.compare.diff).
 GOLDEN_MULTIPLIER = {"float64": 2.0, "float32": 2.0, "float16": 3.0, "bfloat16": 3.0}
 # Locate: an output error this many times its input error is "introduced here".
 DEFAULT_AMPLIFICATION = 4.0
-# Noise floor (accucheck.locate.noise_floor, no golden referee): a record is "suspicious" when
+# Noise floor (verdict.locate.noise_floor, no golden referee): a record is "suspicious" when
 # it amplifies its input error more than DEFAULT_AMPLIFICATION and more than FACTOR x the median
 # amplification of its peers (same module kind, op and slot within WINDOW layers, same request
 # and step; at least MIN_PEERS of them), with a local error above MIN_FRACTION x its tolerance.

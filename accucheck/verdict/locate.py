@@ -1,4 +1,5 @@
-"""Where divergence starts and who introduces it. Imports errors, keys, diff, tolerances; no torch.
+"""Where divergence starts and who introduces it. Imports errors, keys, compare (diff,
+tolerances), verdict.types and verdict.culprit; no torch.
 
 `locate(diff_result)` -> `Location`; `analyze(ref, cand, golden=None, ...)` -> `Analysis` (diff +
 locate in one call: what the CLI runs).
@@ -28,14 +29,14 @@ then capture order), that is over tolerance AND introduced; children run (and ar
 before their enclosing module and ops before their module's output, so the walk names the
 innermost recorded culprit, and inside it the first op that introduces the error (the root,
 not the largest). With a golden referee, "over tolerance" means the referee marks the record
-"cand worse" (accucheck.diff). When records are over tolerance but none introduces the error,
+"cand worse" (compare.diff). When records are over tolerance but none introduces the error,
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
 Noise floor (no golden referee): a record that amplifies what feeds it far more than its peers
 do (the same module kind, operator and slot in nearby layers, same request and step) is
 "suspicious", also within tolerance (see `noise_floor`; the numbers are in
-accucheck.tolerances, NOISE_FLOOR_*).
+accucheck.compare.tolerances, NOISE_FLOOR_*).
 
 Errors are tensor-level rel_l2 (or its proven lower bound from statistics): a moved minimum or
 a single near-zero element never makes a culprit on its own.
@@ -50,109 +51,16 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from accucheck.diff import DiffResult, Progress, RecordDiff, diff_captures
+from accucheck.compare.diff import DiffResult, Progress, RecordDiff, diff_captures
+from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
+                                          NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
+                                          NOISE_FLOOR_WINDOW, ToleranceTable)
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
 from accucheck.keys import RecordKey, is_layer_block, layer_of
-from accucheck.metrics import TensorMetrics
-from accucheck.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
-                                  NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
-                                  NOISE_FLOOR_WINDOW, ToleranceTable)
-
-INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
-
-
-@dataclass(frozen=True)
-class RecordLocation:
-    """Where one record's error comes from. No __bool__: ask `within` / `cause`."""
-    key: RecordKey
-    error: float                  # rel_l2 (or its statistics lower bound)
-    input_error: float | None     # None: unknown (treated as exact)
-    input_from: tuple[str, ...]   # keys whose error bounds the input error
-    within: bool
-    cause: str | None             # "introduced" | "inherited" | None when within tolerance
-    introduced: float             # local error: shadow rel_l2, else max(0, error - explained)
-    inner_error: float | None = None  # largest error among recorded children (containers)
-    input_basis: str = "none"     # one of INPUT_BASES: how input_error was found
-
-    @property
-    def explained(self) -> float:
-        """The error this record's inputs and recorded children already carry."""
-        return max(self.input_error or 0.0, self.inner_error or 0.0)
-
-
-@dataclass(frozen=True)
-class Divergence:
-    key: RecordKey
-    cause: str                    # "introduced" | "inherited"
-    error: float
-    input_error: float | None
-    input_from: tuple[str, ...]
-    tolerance: float
-    basis: str                    # "tensor" | "sample" | "stats" | "shape"
-    metrics: TensorMetrics | None
-    path: tuple[str, ...]         # enclosing modules, outermost first (decoder layer, ...)
-    inner_error: float | None = None
-    input_basis: str = "none"
-
-    @property
-    def module(self) -> str:
-        return self.key.module if self.key.op is None else f"{self.key.module}/{self.key.op}"
-
-    @property
-    def step(self) -> int:
-        return self.key.step
-
-    @property
-    def amplification(self) -> float:
-        e = max(self.input_error or 0.0, self.inner_error or 0.0)
-        return self.error / e if e else math.inf
-
-
-@dataclass(frozen=True)
-class Suspicious:
-    """A record that introduces far more error than its peers (the noise-floor rule)."""
-    key: RecordKey
-    error: float
-    local: float                  # its local error: error - what explains it (or shadow)
-    gain: float                   # error / what explains it (shadow error with --shadow)
-    peers_median: float           # the same measure's median over its peers
-    peers: int                    # peer records (same kind, nearby layers, same req/step)
-    kind: str                     # the peer group: site with layer numbers wildcarded
-    tolerance: float
-    within: bool                  # within tolerance (else it is also over tolerance)
-
-    @property
-    def ratio(self) -> float:
-        """gain / the peers' median gain (floored at 1 without shadow records)."""
-        return self.gain / self.peers_median if self.peers_median > 0 else math.inf
-
-
-@dataclass(frozen=True)
-class LayerPoint:
-    req: int
-    step: int
-    layer: int
-    key: RecordKey
-    rel_l2: float
-    cosine: float | None
-    within: bool
-
-
-@dataclass(frozen=True)
-class Location:
-    first_divergence: Divergence | None   # first introduced record over tolerance; else None
-    records: tuple[RecordLocation, ...]   # same order as DiffResult.records
-    top: tuple[RecordLocation, ...]       # largest introduced error first (over zero only)
-    curve: tuple[LayerPoint, ...]         # decoder-layer outputs per request and step
-    amplification: float
-    first_over: Divergence | None = None  # first record over tolerance (introduced or not)
-    worst: Divergence | None = None       # largest error / tolerance among those over
-    suspicious: tuple[Suspicious, ...] = ()  # noise-floor outliers, execution order
-
-    @property
-    def diffuse(self) -> bool:
-        """Records are over tolerance, but none introduces the error (inherited / gradual)."""
-        return self.first_divergence is None and self.first_over is not None
+from accucheck.verdict.culprit import find_culprit
+# the records live in verdict.types (culprit reads them too); kept importable from here
+from accucheck.verdict.types import (INPUT_BASES, Divergence, LayerPoint, Location,  # noqa: F401
+                                     RecordLocation, Suspicious)
 
 
 @dataclass(frozen=True)
@@ -175,10 +83,8 @@ class Analysis:
 
     @property
     def culprit(self):
-        """Module + operator blamed, with evidence (accucheck.culprit.Culprit); None when
+        """Module + operator blamed, with evidence (verdict.culprit.Culprit); None when
         nothing introduces a divergence (within tolerance, or diffuse / inherited)."""
-        from accucheck.culprit import find_culprit  # culprit imports this module's types
-
         return find_culprit(self)
 
 

@@ -1,11 +1,11 @@
 """The culprit: which module and which operator inside it introduce the divergence, with
-evidence. Imports keys, diff, opmatch (and locate's types); never torch.
+evidence. Imports keys, compare (diff, opmatch) and verdict.types (not locate); never torch.
 
 `find_culprit(analysis)` -> `Culprit | None`. It is locate's first divergence, never another
 pick, so the headline, this block, the JSON and the sign-off report name the same thing:
 
 1. The record: the first record in execution order that is over tolerance and introduced
-   (accucheck.locate). With op records it is the root operator: the first op inside the
+   (accucheck.verdict.locate). With op records it is the root operator: the first op inside the
    module call whose local error exceeds its tolerance, not the op with the largest error.
    None when nothing introduces a divergence (within tolerance, or diffuse / inherited).
 2. Evidence: output error, local error and its basis ("shadow" | "links" | "inputs" |
@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from accucheck.diff import RecordDiff
+from accucheck.compare.diff import RecordDiff
+from accucheck.compare.opmatch import op_ident
 from accucheck.keys import RecordKey
-from accucheck.opmatch import op_ident
-
-if TYPE_CHECKING:
-    from accucheck.locate import Analysis, RecordLocation
+from accucheck.verdict.types import Located, RecordLocation
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,7 @@ class Culprit:
         return d
 
 
-def _local(r: RecordDiff, loc: "RecordLocation") -> tuple[float, str]:
+def _local(r: RecordDiff, loc: RecordLocation) -> tuple[float, str]:
     if r.shadow is not None:
         return r.shadow.rel_l2, "shadow"
     if loc.input_error is None:
@@ -105,7 +102,7 @@ def _op_index(ident: str) -> int:
     return int(ident.rsplit("@", 1)[1])
 
 
-def find_culprit(a: "Analysis") -> Culprit | None:
+def find_culprit(a: Located) -> Culprit | None:
     d, L = a.diff, a.location
     fd = L.first_divergence
     if fd is None:

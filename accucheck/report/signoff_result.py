@@ -1,0 +1,176 @@
+"""The sign-off's result records (`SignoffResult` and its `Check`, `Metrics`, `EnvRow`,
+`Regression`) and `fmt_number`, the number format of its verdict sentence and reports. Data and
+formatting only: the sign-off run (accucheck.signoff) makes them, the sign-off report
+(report.signoff) renders them, and the report does not import the run. Imports errors and
+verdict (Analysis); the scenario type only by name (signoff sits above report).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
+from accucheck.verdict.locate import Analysis
+
+
+@dataclass(frozen=True)
+class Check:
+    """One threshold applied to the diff. `op` is "<=" or ">=" (value op limit must hold)."""
+    name: str
+    passed: bool
+    value: float | int | None
+    limit: float | int | None
+    op: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Headline numbers of one comparison (None: nothing to measure, e.g. no logits stored)."""
+    records_compared: int
+    records_over_tolerance: int
+    missing_keys: int
+    basis: str                        # "tensor" | "sample" | "stats" | "mixed"
+    max_layer_rel_l2: float | None    # decoder-layer outputs, all steps and requests
+    min_layer_cosine: float | None
+    max_logits_kl: float | None
+    top1_agreement: float | None      # over every compared logits position
+    logits_positions: int
+    token_agreement: float | None     # over generated tokens (see token_stats)
+    tokens_compared: int
+    near_tie_flips: int
+    real_flips: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class EnvRow:
+    field: str
+    ref: str
+    cand: str
+
+    @property
+    def differs(self) -> bool:
+        return self.ref != self.cand
+
+
+@dataclass(frozen=True)
+class RegressionItem:
+    metric: str
+    previous: float | int | None
+    current: float | int | None
+    change: str                       # "same" | "better" | "worse" | "n/a"
+
+
+@dataclass(frozen=True)
+class Regression:
+    previous: str                     # path of the previous report.json / capture
+    verdict: str                      # "same" | "better" | "worse"
+    items: tuple[RegressionItem, ...]
+    note: str = ""
+
+    @property
+    def sentence(self) -> str:
+        return {"same": "same as last release", "better": "better than last release",
+                "worse": "worse than last release"}[self.verdict]
+
+
+@dataclass(frozen=True)
+class SignoffResult:
+    """The verdict and its evidence. bool() = pass; `exit_code` 0 pass / 1 fail."""
+    scenario: Scenario  # accucheck.signoff.scenario.Scenario, by name: signoff is above
+    analysis: Analysis
+    ref_path: str
+    cand_path: str
+    golden_path: str | None
+    ref_meta: dict
+    cand_meta: dict
+    metrics: Metrics
+    checks: tuple[Check, ...]
+    environment: tuple[EnvRow, ...]
+    regression: Regression | None
+    seconds: float
+    out_dir: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_DIVERGENCE
+
+    @property
+    def failed_checks(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+    @property
+    def planted_faults(self) -> list[str]:
+        return [f"{role}: {m['planted_fault']}" for role, m in
+                (("reference", self.ref_meta), ("candidate", self.cand_meta))
+                if m.get("planted_fault")]
+
+    @property
+    def culprit(self) -> str | None:
+        """The diff's culprit (module#call / op@index), the same one `accucheck diff` names."""
+        c = self.analysis.culprit
+        return c.where if c is not None else None
+
+    @property
+    def summary(self) -> str:
+        """The verdict sentence: PASS / FAIL and why, in one sentence."""
+        s, m = self.scenario, self.metrics
+        what = f"{s.name}: {s.candidate.label} vs {s.reference.label}"
+        if self.passed:
+            bits = [f"{m.records_compared} records within tolerance"]
+            if m.max_layer_rel_l2 is not None:
+                bits.append(f"max layer rel_l2 {fmt_number(m.max_layer_rel_l2)}")
+            if m.token_agreement is not None:
+                bits.append(f"token agreement {m.token_agreement:.1%}")
+            if m.near_tie_flips:
+                bits.append(f"{m.near_tie_flips} near-tie token flip(s) allowed")
+            if self.regression is not None:
+                bits.append(self.regression.sentence)
+            return f"PASS: {what}: " + ", ".join(bits) + "."
+        fd = self.analysis.location.first_divergence
+        why = []
+        if fd is not None:
+            rec = self.analysis.diff.record(fd.key)
+            gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
+            why.append(f"divergence starts at step {fd.step}, {self.culprit} "
+                       f"({fd.cause}, rel_l2 {fmt_number(fd.error)} > tolerance "
+                       f"{fmt_number(fd.tolerance)}{gold})")
+        elif self.analysis.location.diffuse:
+            fo = self.analysis.location.first_over
+            why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
+                       f" first at step {fo.step} {fo.module}; no culprit named")
+        for c in self.failed_checks:
+            if c.name == "records" and (fd is not None or self.analysis.location.diffuse):
+                continue
+            why.append(c.detail)
+        return f"FAIL: {what}: " + "; ".join(why) + "."
+
+
+def fmt_number(x: float | int | None) -> str:
+    """A number as the sign-off reports write it: "-" for None, 3 significant digits."""
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if math.isnan(x):
+        return "nan"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
