@@ -89,6 +89,10 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
               help="teacher forcing: follow this reference capture's prompt and generated tokens")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None)
 @click.option("--compile-backend", default=None, help="torch.compile backend for --mode graph")
+@click.option("--observer-check/--no-observer-check", default=True, show_default=True,
+              help="--mode graph: also run the compiled model without taps, record its logits "
+                   "and measure what the taps change (meta observer_effect); off: one compile "
+                   "less, the effect unmeasured")
 @click.option("--engine-arg", "engine_args", multiple=True,
               help="vLLM engine option KEY=VALUE (JSON values), e.g. tensor_parallel_size=2")
 @click.option("--trust-remote-code", is_flag=True, help="run the model directory's own code")
@@ -96,8 +100,8 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="overwrite the output file")
 def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
-            compression, compile_backend, engine_args, trust_remote_code, list_modules, force,
-            level="module", shadow=None):
+            compression, compile_backend, observer_check, engine_args, trust_remote_code,
+            list_modules, force, level="module", shadow=None):
     """Run MODEL (a local Hugging Face directory, or @tiny for the built-in tiny Llama) on the
     prompts and write one HDF5 capture."""
     from accucheck.capture.api import CaptureOptions
@@ -112,7 +116,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
                           deterministic=deterministic, tokens_from=tokens_from,
                           compression=compression, compile_backend=compile_backend, force=force,
-                          level=level, shadow=shadow)
+                          level=level, shadow=shadow, observer_check=observer_check)
     model_dir = _model_dir(model)
     if list_modules:
         from accucheck.capture.api import list_modules as lm

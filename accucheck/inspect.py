@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
+from accucheck.compare.observer import describe, observer_effect
 from accucheck.store import CaptureReader, IndexRow
 
 
@@ -36,6 +37,7 @@ def summary(reader: CaptureReader) -> dict:
         "runner": m.get("runner"), "device": m.get("device"), "dtype": m.get("dtype"),
         "mode": m.get("mode"), "compile_backend": m.get("compile_backend"),
         "compile_stats": m.get("compile_stats"),
+        "observer_effect": observer_effect(m),
         "store": reader.store_mode, "seed": (m.get("seed") or {}).get("seed"),
         "model": {k: v for k, v in (m.get("model") or {}).items() if k != "config"},
         "model_path": m.get("model_path"),
@@ -63,6 +65,8 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
         ("runner / device", f"{info['runner']} / {info['device']} "
                             f"({info['environment'].get('device_name')})"),
         ("dtype / mode", f"{info['dtype']} / {info['mode']}" + _compiled(info)),
+        *([("observer effect", describe(info["observer_effect"]))]
+          if info["observer_effect"] is not None else []),
         ("store", info["store"]),
         ("model", f"{info['model'].get('class')} config {info['model'].get('config_hash')} "
                   f"weights {info['model'].get('weight_hash')}"),

@@ -247,22 +247,36 @@ def test_minilm_from_package_captures_offline(tmp_path):
 
 @pytest.mark.slow
 def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
+    """The default graph taps (kernel boundaries, accucheck.capture.graph) and a module
+    selection (--include) are both traced into the graph and record what eager records."""
     opts = dict(max_new_tokens=2, store="full")
     capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "e.h5", CaptureOptions(**opts))
     capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "g.h5", CaptureOptions(mode="graph", **opts))
-    with open_capture(tmp_path / "e.h5") as e, open_capture(tmp_path / "g.h5") as g:
+    capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "s.h5",
+                CaptureOptions(mode="graph", include=("model.layers.1*",),
+                               observer_check=False, **opts))
+    with open_capture(tmp_path / "e.h5") as e, open_capture(tmp_path / "g.h5") as g, \
+            open_capture(tmp_path / "s.h5") as s:
         assert g.meta["mode"] == "graph" and g.meta["compile_backend"] == "inductor"
         # the hooks are traced into the compiled graphs: no graph break, prefill + decode graphs
         assert g.meta["compile_stats"]["graph_breaks"] == 0
         assert g.meta["compile_stats"]["unique_graphs"] >= 1
-        # graph mode stores no links and so no "in" records for unexplained inputs (tensor
-        # identity is not observable in compiled code); every output record is the same
-        assert not [r for r in g.rows if r.key.role == "in" or r.extra]
-        assert [str(r.key) for r in g.rows] == [str(r.key) for r in e.rows if r.key.role == "out"]
-        for r in g.rows:
-            a, b = e.read(r.key).astype(np.float64), g.read(r.key).astype(np.float64)
-            rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
-            assert rel < 1e-5, (str(r.key), rel)
+        # graph mode stores no links (tensor identity is not observable in compiled code)
+        assert not [r for r in g.rows if r.extra] and not [r for r in s.rows if r.extra]
+        # every record is under an eager record's name: 3 steps x (4 layers x 11 + final norm)
+        # + logits
+        assert len(g.rows) == 3 * (4 * 11 + 1 + 1)
+        assert all(r.key in e for r in g.rows)
+        # the selection: its modules' outputs, as eager records them
+        assert [str(r.key) for r in s.rows if r.kind != "logits"] == [
+            str(r.key) for r in e.rows if r.key.role == "out"
+            and r.key.module.startswith("model.layers.1")]
+        assert s.meta["observer_effect"]["measured"] is False
+        for src in (g, s):
+            for r in src.rows:
+                a, b = e.read(r.key).astype(np.float64), src.read(r.key).astype(np.float64)
+                rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+                assert rel < 1e-5, (str(r.key), rel)
         np.testing.assert_array_equal(e.requests[0].generated_ids, g.requests[0].generated_ids)
 
 

@@ -20,7 +20,7 @@ JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref"
             "golden_path", "basis", "notes", "tolerances", "amplification", "counts",
             "compared_steps", "first_divergence", "top", "records", "missing", "layers",
             "logits", "golden", "culprit", "ops", "diffuse", "first_over", "worst",
-            "suspicious", "precision_findings", "compute_dtypes"}
+            "suspicious", "precision_findings", "compute_dtypes", "first_difference"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,9 @@ def test_json_schema(caps):
     assert {"key", "module", "step", "cause", "rel_l2", "input_rel_l2", "metrics"} <= set(fd)
     assert (fd["module"], fd["step"], fd["cause"]) == (diffcases.NORM_FAULT, 0, "introduced")
     assert fd["metrics"]["rel_l2"] == fd["rel_l2"] and fd["metrics"]["cosine"] < 1
+    # everything before the planted norm is bitwise the reference's: it is the first difference
+    first = j["first_difference"]
+    assert (first["module"], first["step"], first["role"]) == (diffcases.NORM_FAULT, 0, "out")
     assert len(j["records"]) == j["counts"]["compared"] > 0
     rec = j["records"][0]
     assert {"key", "within", "cause", "rel_l2", "input_rel_l2", "metrics", "tolerance",

@@ -705,3 +705,41 @@ def test_find_culprit_is_none_without_a_first_divergence():
     a = d.analysis()
     assert a.location.diffuse and find_culprit(a) is None
     assert find_culprit(D().add("r0.s0:e#0:out.0").analysis()) is None
+
+
+# ----------------------------------------------------------------- first difference
+
+def test_first_difference_is_the_first_record_not_identical_after_identical_ones():
+    from accucheck.report.diff import first_difference_line
+
+    d = (D().add("r0.s1:m.e#0:out.0", 5e-3)            # later step, earlier in capture order
+         .add("r0.s0:m.e#0:out.0", 0.0)
+         .add("r1.s0:m.e#0:out.0", 0.0)
+         .add("r0.s0:m.l.0.attn.o#0:in.0", 2e-3)       # within tolerance: still the first
+         .add("r0.s0:m.l.0.attn.o#0:out.0", 3e-2))
+    L = d.locate()
+    fd = L.first_difference
+    # execution order is step, request, capture order: r0.s0:e, r0.s0:o.in, ..., r1.s0:e,
+    # r0.s1:e (the step-1 record added first comes last)
+    assert (str(fd.key), fd.error, fd.tolerance) == ("r0.s0:m.l.0.attn.o#0:in.0", 2e-3, TOL)
+    line = first_difference_line(fd)
+    assert line.startswith("First difference: step 0, m.l.0.attn.o (in.0): rel_l2 0.002 "
+                           "(tolerance 0.01); every record before it is identical")
+    assert line.endswith("made by code of m.l.0.attn that no record covers")
+    assert "no record covers" not in first_difference_line(
+        D().add("r0.s0:m.e#0:out.0").add("r0.s0:m.f#0:out.0", 1e-3).locate().first_difference)
+
+
+def test_no_first_difference_when_the_first_record_differs_or_none_does():
+    assert D().add("r0.s0:m.e#0:out.0", 1e-9).add("r0.s0:m.f#0:out.0", 0.0) \
+        .locate().first_difference is None
+    assert D().add("r0.s0:m.e#0:out.0").add("r0.s0:m.f#0:out.0").locate().first_difference \
+        is None
+    # the same values in another dtype are not identical (a precision finding)
+    fd = (D().add("r0.s0:m.e#0:out.0").add("r0.s0:m.f#0:out.0", 0.0, cand_dtype="float16")
+          .locate().first_difference)
+    assert str(fd.key) == "r0.s0:m.f#0:out.0"
+    # a shape difference is a difference
+    fd = D().add("r0.s0:m.e#0:out.0").add("r0.s0:m.f#0:out.0", shape=True).locate() \
+        .first_difference
+    assert str(fd.key) == "r0.s0:m.f#0:out.0"

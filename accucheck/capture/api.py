@@ -25,6 +25,7 @@ import accucheck
 from accucheck.capture import device as dev
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
+from accucheck.capture.graph import ObserverCheck, boundary_taps, run_unobserved, tapped_modules
 from accucheck.capture.recorder import Recorder, select_modules
 from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
@@ -52,6 +53,10 @@ class CaptureOptions:
     shadow: a reference capture (--store full --inputs) whose recorded inputs every selected
     module (and op, at level op) is replayed on; results are role "shadow"
     (accucheck.capture.shadow). Implies tokens_from = shadow unless tokens_from is given.
+    observer_check: mode "graph": also run the compiled model without taps and record its
+    logits, with the taps' effect on them in meta "observer_effect" (accucheck.capture.graph);
+    off, the file's logits are the tapped run's and the effect is not measured (one compile
+    less).
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -69,6 +74,7 @@ class CaptureOptions:
     force: bool = False
     level: str = "module"
     shadow: str | None = None
+    observer_check: bool = True
     meta_extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,6 +168,14 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     if not modules:
         raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
                         " to see the module paths")
+    taps = None
+    if opts.mode == "graph" and not (opts.include or opts.exclude or opts.record_inputs) \
+            and opts.level == "module":
+        taps = boundary_taps(model, modules, lambda: _probe(model, prompt_ids[0], tdev, causal))
+        if taps:
+            modules = tapped_modules(taps)
+        else:  # no Linear layer: the default selection, at the measured cost
+            taps = None
     backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
     meta = {
         "tool": "accucheck", "tool_version": accucheck.__version__,
@@ -177,6 +191,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         "weights": weight_table(model),  # per weight: checksum + samples (compare.weights)
         "stats_kernel": kernel_status(),
         "modules": modules,
+        "graph_taps": None if opts.mode != "graph" else "boundaries" if taps else "selection",
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }
@@ -186,7 +201,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     try:
         writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                compression=opts.compression)
-        recorder = _recorder(model, writer, modules, opts, source)
+        recorder = _recorder(model, writer, modules, opts, source, taps)
     except BaseException:
         if source is not None:
             source.close()
@@ -194,35 +209,67 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
             writer.close(complete=False)
         raise
     complete = False
-    before = _compile_stats() if opts.mode == "graph" else {}
     ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
     compiling = CompileProgress(progress, backend_name) if opts.mode == "graph" else None
+    check = ObserverCheck(meta["graph_taps"]) if opts.mode == "graph" and opts.observer_check \
+        else None
+
+    def compiled():
+        return compiling.watch(torch.compile(model, backend=backend, dynamic=True))
+
     try:
-        with interruptible() as guard, recorder.hooks(), _dynamo_quiet(opts.mode), \
+        with interruptible() as guard, _dynamo_quiet(opts.mode), \
                 (compiling or contextlib.nullcontext()):
-            # hooks are in place BEFORE compilation: hooks added later never fire in the graph
-            forward = compiling.watch(torch.compile(model, backend=backend, dynamic=True)) \
-                if compiling is not None else model
-            for r, ids in enumerate(prompt_ids):
-                def on_step(step, r=r):
-                    guard.check()
-                    ticker.tick(r, step, writer.n_records)
-                    recorder.begin_step(r, step)
+            if check is not None:  # the untapped run first: its tokens are the run's
+                compiling.label = f"{backend_name}, untapped run of the observer check"
 
-                def on_logits(logits):
-                    recorder.end_step(logits)
+                def untapped(forward, r, ids, on_step, on_logits):
+                    def step(k):
+                        guard.check()
+                        on_step(k)
+                    return greedy_run(forward, ids, tdev, opts.max_new_tokens,
+                                      forced=forced[r][1] if forced else None,
+                                      on_step=step, on_logits=on_logits, causal=causal)
+                run_unobserved(compiled(), prompt_ids, untapped, check)
+                torch._dynamo.reset()  # the tapped model compiles afresh
+                compiling.register()
+                compiling.label = backend_name
+            before = _compile_stats() if opts.mode == "graph" else {}
+            with recorder.hooks():
+                # hooks are in place BEFORE compilation: hooks added later never fire in the graph
+                forward = compiled() if compiling is not None else model
+                if check is not None:
+                    forward = check.watch(forward)
+                for r, ids in enumerate(prompt_ids):
+                    at = [0]
 
-                gen = greedy_run(forward, ids, tdev, opts.max_new_tokens,
-                                 forced=forced[r][1] if forced else None,
-                                 on_step=on_step, on_logits=on_logits, causal=causal)
-                writer.set_request(r, gen.prompt_ids, gen.generated_ids,
-                                   prompts[r] if isinstance(prompts[r], str) else None)
-                writer.flush()
+                    def on_step(step, r=r, at=at):
+                        guard.check()
+                        ticker.tick(r, step, writer.n_records)
+                        recorder.begin_step(r, step)
+                        at[0] = step
+
+                    def on_logits(logits, r=r, at=at):
+                        if check is not None:  # record the untapped logits
+                            untapped_logits = check.compare(r, at[0])
+                            logits = untapped_logits if logits is not None else None
+                        recorder.end_step(logits)
+
+                    follow = check.tokens[r] if check is not None else \
+                        forced[r][1] if forced else None
+                    gen = greedy_run(forward, ids, tdev, opts.max_new_tokens, forced=follow,
+                                     on_step=on_step, on_logits=on_logits, causal=causal)
+                    writer.set_request(r, gen.prompt_ids, gen.generated_ids,
+                                       prompts[r] if isinstance(prompts[r], str) else None)
+                    writer.flush()
         if getattr(recorder, "shadow_counts", None) is not None:
             writer.update_meta(shadow_replay=recorder.shadow_counts)
         if opts.mode == "graph":
             writer.update_meta(compile_stats=_compile_stats(before),
-                               compile_seconds=round(compiling.seconds, 3))
+                               compile_seconds=round(compiling.seconds, 3),
+                               observer_effect=check.meta() if check is not None else
+                               {"measured": False, "taps": meta["graph_taps"],
+                                "why": "observer check off (--no-observer-check)"})
         complete = True
     except KeyboardInterrupt as e:
         writer.close(complete=False)
@@ -349,15 +396,20 @@ class CompileProgress:
                 self.end()
         return first_call_compiles
 
-    def __enter__(self) -> "CompileProgress":
+    def register(self) -> None:
+        """(Re-)register dynamo's compile callbacks: `torch._dynamo.reset()` drops them."""
         try:
             from torch._dynamo.callback import callback_handler
 
-            callback_handler.register_start_callback(self.start)
-            callback_handler.register_end_callback(self.end)
+            if self.start not in callback_handler.start_callbacks:
+                callback_handler.register_start_callback(self.start)
+                callback_handler.register_end_callback(self.end)
             self._callbacks = True
         except (ImportError, AttributeError):
             self._callbacks = False
+
+    def __enter__(self) -> "CompileProgress":
+        self.register()
         if self.out is not None:
             self._thread = threading.Thread(target=self._run, name="accucheck-compile-progress",
                                             daemon=True)
@@ -372,8 +424,10 @@ class CompileProgress:
         if self._callbacks:
             from torch._dynamo.callback import callback_handler
 
-            callback_handler.remove_start_callback(self.start)
-            callback_handler.remove_end_callback(self.end)
+            if self.start in callback_handler.start_callbacks:
+                callback_handler.remove_start_callback(self.start)
+            if self.end in callback_handler.end_callbacks:
+                callback_handler.remove_end_callback(self.end)
         with self._lock:  # a compilation interrupted by an error still counts
             if self._started is not None:
                 self.seconds += self.clock() - self._started
@@ -381,18 +435,25 @@ class CompileProgress:
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
-              opts: CaptureOptions, source=None) -> Recorder:
+              opts: CaptureOptions, source=None, taps=None) -> Recorder:
     """The plain module recorder, or (level op / shadow) the op and shadow recorders.
-    `source`: the opened --shadow reference (closed by the caller on failure)."""
+    `source`: the opened --shadow reference (closed by the caller on failure); `taps`: graph
+    mode's kernel-boundary taps (accucheck.capture.graph), None for the module selection."""
     if opts.level == "module" and not opts.shadow:
         return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
-                        graph=opts.mode == "graph")
+                        graph=opts.mode == "graph", taps=taps)
     from accucheck.capture.ops import OpRecorder
     from accucheck.capture.shadow import ShadowRecorder
 
     cls = OpRecorder if opts.level == "op" else ShadowRecorder
     return cls(model, writer, modules, record_inputs=opts.record_inputs,
                graph=opts.mode == "graph", shadow=source)
+
+
+def _probe(model: nn.Module, ids: Sequence[int], device: torch.device, causal: bool) -> None:
+    """One eager forward on the first tokens of a prompt (graph.boundary_taps' probe)."""
+    x = torch.tensor([list(ids)[:8]], dtype=torch.long, device=device)
+    model(input_ids=x, use_cache=False) if causal else model(input_ids=x)
 
 
 def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:

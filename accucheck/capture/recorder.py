@@ -48,7 +48,10 @@ Graph mode: hooks are registered BEFORE torch.compile and do not read Python sta
 step and call counters are assigned afterwards, in `end_step`), so the compiled graph does not
 guard on them. In graph mode a hook only appends a detached clone to a list that dynamo replays
 as a side effect; statistics are computed after the forward. Tensor identity is not observable
-inside compiled code: graph mode stores no links and records inputs only with `--inputs`.
+inside compiled code: graph mode stores no links and records inputs only with `--inputs`. The
+hooks are either the selected modules' outputs or `taps` (accucheck.capture.graph.Tap: the
+default kernel-boundary taps, a Linear's first input or its output stored under the record
+name the tap says).
 """
 from __future__ import annotations
 
@@ -379,8 +382,9 @@ class Recorder:
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 stats_kernel: str | None = None):
+                 stats_kernel: str | None = None, taps: Sequence | None = None):
         self.model = model
+        self.taps = list(taps) if taps is not None else None  # graph mode: capture.graph.Tap
         self.writer = writer
         self.modules = list(modules)
         self.record_inputs = record_inputs
@@ -564,6 +568,25 @@ class Recorder:
         return p
 
     # -- hooks ---------------------------------------------------------------------------
+    def _tap_hook(self, tap):
+        """Graph mode, one accucheck.capture.graph.Tap: a copy of the hooked module's first
+        input (pre-hook) or its output, stored as record (tap.module, tap.role, tap.slot)."""
+        pending, module, role, slot = self._pending, tap.module, tap.role, tap.slot
+        if tap.where == "in":
+            def tap_in(_mod, args):
+                if args and isinstance(args[0], torch.Tensor):
+                    pending.append(_Pending(module, role, slot, "module", None, "", (), 0,
+                                            tensor=args[0].detach().clone()))
+            return tap_in
+
+        def tap_out(_mod, _args, out):
+            t = out if isinstance(out, torch.Tensor) else next(
+                (v for s, v in flatten(out) if s == slot), None)
+            if t is not None:
+                pending.append(_Pending(module, role, slot, "module", None, "", (), 0,
+                                        tensor=t.detach().clone()))
+        return tap_out
+
     def _make_hook(self, name: str, role: str):
         pending = self._pending
         if self.graph:
@@ -661,7 +684,12 @@ class Recorder:
         for name in self.modules:  # keys are built as strings at end_step: check names now
             RecordKey(0, 0, name, 0, "out", "0")
         try:
-            for name in self.modules:
+            for tap in (self.taps if self.graph and self.taps is not None else ()):
+                mod = by_name[tap.hook]
+                self.handles.append(mod.register_forward_pre_hook(self._tap_hook(tap))
+                                    if tap.where == "in" else
+                                    mod.register_forward_hook(self._tap_hook(tap)))
+            for name in (self.modules if not (self.graph and self.taps is not None) else ()):
                 mod = by_name[name]
                 if self.record_inputs or not self.graph:
                     self.handles.append(mod.register_forward_pre_hook(

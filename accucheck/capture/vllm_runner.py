@@ -291,6 +291,9 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "runner": "vllm", "device": str(spec), "dtype": dtype, "mode": opts.mode,
         "compile_backend": "vllm" if opts.mode == "graph" else None,
+        **({"observer_effect": {"measured": False, "taps": "selection",
+                                "why": "the vLLM runner runs no untapped engine"}}
+           if opts.mode == "graph" else {}),
         "seed": seeded, "determinism": determinism, "environment": environment,
         "model": {"class": (getattr(hf_config, "architectures", None) or [None])[0],
                   "vllm_class": info.get("model_class"), "causal_lm": True,

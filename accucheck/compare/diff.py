@@ -48,6 +48,7 @@ from accucheck.compare.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
+from accucheck.compare.observer import observer_notes
 from accucheck.compare.weights import weight_notes
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
@@ -107,6 +108,16 @@ class RecordDiff:
             raise ValueError("metrics go with basis 'tensor' or 'sample'")
         if (self.basis in ("sample", "stats")) != (self.stats is not None):
             raise ValueError("statistics go with basis 'sample' or 'stats'")
+
+    @property
+    def identical(self) -> bool:
+        """Both sides hold the same values: same dtype and shape and, with tensors, no element
+        differs; from statistics alone, the same checksum and statistics."""
+        if self.basis == "shape" or self.ref_dtype != self.cand_dtype:
+            return False
+        if self.basis == "tensor":
+            return self.metrics.max_abs == 0
+        return self.stats.identical
 
     @property
     def error(self) -> float:
@@ -454,6 +465,9 @@ class _Differ:
             n_ref = sum(m.only_in == "ref" for m in missing)
             self.notes.append(f"{len(missing)} keys on one side only ({n_ref} only in ref, "
                               f"{len(missing) - n_ref} only in cand): see `missing`")
+        self.notes += observer_notes(  # graph-mode captures (accucheck.compare.observer)
+            self.R.meta, self.C.meta,
+            max((r.error for r in records if r.kind == "logits"), default=None))
         first, flips = self._flips(logits, flip)
         compared = tuple((i, -1 if j is None else j) for i, j in sorted(limits.items()))
         return DiffResult(str(self.R.path), str(self.C.path),

@@ -69,6 +69,16 @@ def _where(fd: Divergence) -> str:
     return f"step {fd.step}, {req}{fd.module} ({_slot(fd.key)})"
 
 
+def first_difference_line(fd: Divergence) -> str:
+    """Where two runs that agree bitwise at first start to compute otherwise."""
+    line = (f"First difference: {_where(fd)}: rel_l2 {_g(fd.error)} (tolerance "
+            f"{_g(fd.tolerance)}); every record before it is identical")
+    if fd.key.role == "in" and "." in fd.module:
+        line += (f"; it is an input no record produced: made by code of "
+                 f"{fd.module.rsplit('.', 1)[0]} that no record covers")
+    return line
+
+
 def verdict_line(a: Analysis) -> str:
     d, L = a.diff, a.location
     fd = L.first_divergence
@@ -233,6 +243,7 @@ def to_json(a: Analysis) -> dict:
         "diffuse": L.diffuse,
         "first_over": div(L.first_over),
         "worst": div(L.worst),
+        "first_difference": div(L.first_difference),
         "suspicious": [dict(_key_fields(x.key), rel_l2=x.error, local=x.local,
                             gain=x.gain, peers_median=x.peers_median, ratio=x.ratio, peers=x.peers,
                             kind=x.kind, tolerance=x.tolerance,
@@ -304,6 +315,8 @@ def to_text(a: Analysis, md: bool = False) -> str:
                + (f", {d.skipped} skipped" if d.skipped else ""))
     for n in d.notes:
         out.append(f"NOTE: {n}")
+    if L.first_difference is not None:
+        out.append(first_difference_line(L.first_difference))
     culprit = a.culprit  # module + op with evidence (accucheck.verdict.culprit)
     if culprit is not None:
         from accucheck.verdict.culprit import culprit_lines

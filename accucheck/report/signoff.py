@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from accucheck.compare.observer import observer_effect
 from accucheck.report.diff import BASIS_MARK
 from accucheck.report.diff import to_json as diff_to_json
 from accucheck.report.signoff_result import SignoffResult, fmt_number
@@ -102,7 +103,8 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         return {"label": spec.label if spec else "capture", "capture": _rel(path, out_dir),
                 "device": (meta or {}).get("device"), "dtype": (meta or {}).get("dtype"),
                 "mode": (meta or {}).get("mode"), "runner": (meta or {}).get("runner"),
-                "planted_fault": (meta or {}).get("planted_fault")}
+                "planted_fault": (meta or {}).get("planted_fault"),
+                "observer_effect": observer_effect(meta or {})}
 
     thr = dict(s.thresholds.__dict__)
     thr["tolerances"] = {p: v for p, v in s.thresholds.tolerances}

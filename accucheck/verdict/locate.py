@@ -33,6 +33,13 @@ not the largest). With a golden referee, "over tolerance" means the referee mark
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
+First difference: when the first records in execution order are identical on both sides
+(eager vs graph on one machine: the compiled program computes the same up to a point), the
+first record that is not, within tolerance or not (`first_difference`); None when the very
+first record differs (another device: everything differs a little) or none does. An "in"
+record there means the difference is made by code of its module's parent that no record
+covers (o_proj's input: the attention core and the rotary embedding inside self_attn).
+
 Noise floor (no golden referee): a record that amplifies what feeds it far more than its peers
 do (the same module kind, operator and slot in nearby layers, same request and step) is
 "suspicious", also within tolerance (see `noise_floor`; the numbers are in
@@ -141,8 +148,15 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         first = (intro.key.step, intro.key.req, intro.order)
         order = {str(r.key): r.order for r in diff.records}
         sus = tuple(s for s in sus if (s.key.step, s.key.req, order[str(s.key)]) < first)
+    same = 0
+    for r in ordered:
+        if not r.identical:
+            break
+        same += 1
+    differs = ordered[same] if 0 < same < len(ordered) else None
     return Location(divergence(intro), records, tuple(ranked), curve, amplification,
-                    divergence(over[0] if over else None), divergence(worst), sus)
+                    divergence(over[0] if over else None), divergence(worst), sus,
+                    divergence(differs))
 
 
 def _first_slot(key: RecordKey) -> bool:

@@ -104,6 +104,9 @@ class Location:
     first_over: Divergence | None = None  # first record over tolerance (introduced or not)
     worst: Divergence | None = None       # largest error / tolerance among those over
     suspicious: tuple[Suspicious, ...] = ()  # noise-floor outliers, execution order
+    # the first record whose values differ, when records before it are identical (eager vs
+    # graph: where the compiled program starts to compute otherwise); within tolerance too
+    first_difference: Divergence | None = None
 
     @property
     def diffuse(self) -> bool:
