@@ -125,9 +125,15 @@ def test_observer_notes_say_it_when_it_matters():
     loud = observer_notes(eager, meta(0.01), 0.02)
     assert len(loud) == 1 and loud[0].startswith("OBSERVER EFFECT: cand's taps") \
         and "50 % of the logits difference" in loud[0]
-    # at most 1 % of the judged difference: said, not loud
-    quiet = observer_notes(meta(OBSERVER_NOTE_FRACTION * 0.02 * 0.99), eager, 0.02)
+    # at most 1 % of the judged difference (the documented OBSERVER_NOTE_FRACTION): said, not
+    # loud; just over it: loud
+    assert OBSERVER_NOTE_FRACTION == 0.01
+    quiet = observer_notes(meta(1.98e-4), eager, 0.02)
     assert len(quiet) == 1 and quiet[0].startswith("observer effect of ref (graph mode): rel L2")
+    assert observer_notes(meta(2.02e-4), eager, 0.02)[0].startswith("OBSERVER EFFECT: ref's")
+    # without a logits difference to compare with, any effect is loud
+    assert observer_notes(eager, meta(1e-9), None)[0].startswith("OBSERVER EFFECT: cand's")
+    assert "more than the logits difference" in observer_notes(eager, meta(1e-9), None)[0]
     assert "bitwise" in observer_notes(eager, meta(0.0, bitwise=True), 0.02)[0]
     old = observer_notes(eager, {"mode": "graph"}, 0.02)
     assert "not measured (captured before accucheck measured it)" in old[0]

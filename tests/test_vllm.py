@@ -207,6 +207,25 @@ def test_graph_matches_eager_and_transformers(hf_full, eager, graph):
 
 
 @vllm_mark
+def test_graph_capture_measures_its_observer_effect(graph):
+    """An engine without the collector ran first: its logits are the file's, and the tapped
+    engine's logits were measured against them at every request and step."""
+    with open_capture(graph) as g:
+        oe = g.meta["observer_effect"]
+        assert oe["measured"] and oe["taps"] == "selection" and oe["logits"] == "unobserved"
+        assert sorted((s["request"], s["step"]) for s in oe["steps"]) == \
+            [(r, s) for r in range(len(PROMPTS)) for s in range(N_NEW + 1)]
+        # float32: what the taps change stays at float32 noise
+        assert oe["max_rel_l2"] < FP32_NOISE and oe["argmax_changed"] == 0
+    from click.testing import CliRunner
+
+    from accucheck.cli import cli
+
+    out = CliRunner().invoke(cli, ["inspect", str(graph)]).output
+    assert "observer effect  " in out and "not measured" not in out
+
+
+@vllm_mark
 def test_teacher_forcing_follows_the_reference(hf_full, forced_ref, forced, hf_forced):
     want = _tokens(forced_ref)
     assert _tokens(forced) == want

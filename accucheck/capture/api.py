@@ -42,6 +42,9 @@ class CaptureOptions:
 
     store: "stats" (index only, cheap) or "full" (tensors too).
     include / exclude: glob patterns on module paths (include replaces the default selection).
+    In mode "graph" without include / exclude / record_inputs, the default is the kernel-
+    boundary taps (accucheck.capture.graph: every Linear's input and output, which leave the
+    compiled program unchanged).
     record_inputs: record every module input (role "in"), needed for shadow replay. Without
     it, eager captures still record the floating-point inputs that no producer link explains
     (accucheck.capture.recorder); graph captures record none.
@@ -141,7 +144,11 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     if `opts.dtype` or `opts.device` differ from the model's, a copy is converted; hooks are
     removed afterwards, also on error. `progress` gets a line about every 2 s of a long capture
     (prompt, step, records so far) and, in graph mode, one every 5 s while torch.compile works
-    ("capture: compiling (inductor), 65 s"; the total goes into meta "compile_seconds"). Returns the path of the complete capture.
+    ("capture: compiling (inductor), 65 s"; the total goes into meta "compile_seconds").
+    In graph mode the compiled model first runs without taps (the observer check, unless
+    `opts.observer_check` is off): the file's logits and tokens are that run's, meta
+    "observer_effect" says how far the taps moved the logits. Returns the path of the
+    complete capture.
 
     Every input and option is checked before `out` is created or touched; an existing `out`
     (with force) is replaced only when the new capture is complete. Raises UserError for bad
@@ -171,11 +178,11 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     taps = None
     if opts.mode == "graph" and not (opts.include or opts.exclude or opts.record_inputs) \
             and opts.level == "module":
-        taps = boundary_taps(model, modules, lambda: _probe(model, prompt_ids[0], tdev, causal))
+        # no Linear layer at all: None, the default selection (its effect is measured)
+        taps = boundary_taps(model, modules,
+                             lambda: _probe(model, prompt_ids[0], tdev, causal)) or None
         if taps:
             modules = tapped_modules(taps)
-        else:  # no Linear layer: the default selection, at the measured cost
-            taps = None
     backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
     meta = {
         "tool": "accucheck", "tool_version": accucheck.__version__,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +28,7 @@ import accucheck
 from accucheck.capture import device as dev
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
                                    interruptible, tokenize_prompts)
+from accucheck.capture.graph import ObserverCheck
 from accucheck.capture.hf import config_hash, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -59,6 +61,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     Tensor parallel: rank 0 records; the default modules' outputs are replicated across ranks
     (row-parallel layers all-reduce), sharded modules picked with --include hold rank 0's shard
     (listed in meta `vllm.tensor_parallel`). Pipeline / data parallel are refused.
+    Graph mode with `opts.observer_check` (the default) first runs an engine without the
+    collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
+    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
 
     Environment (set for the duration of the call, restored after): the in-process engine
     (VLLM_ENABLE_V1_MULTIPROCESSING=0), VLLM_USE_V2_MODEL_RUNNER=0, in graph mode
@@ -117,11 +122,32 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         seeded = dev.seed_everything(opts.seed, spec)
         determinism = dev.set_deterministic(spec) if opts.deterministic else {}
         plugin.install()  # the entry point may not be installed (source checkout): patch here
-        kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
-                                forced is not None)
         environment = dev.fingerprint(spec)
         from vllm import LLM, SamplingParams
 
+        def params_for(follow):
+            return [SamplingParams(
+                temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
+                prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
+                extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
+                            follow[r][1] if follow is not None else None})
+                for r in range(len(prompt_ids))]
+
+        check = None
+        if opts.mode == "graph" and opts.observer_check:
+            # the untapped engine first (accucheck.capture.graph): its tokens and logits are
+            # the run's; the tapped engine follows its tokens
+            check = ObserverCheck("selection")
+            untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
+                                      forced is not None)
+            t0 = time.monotonic()
+            tokens = _untapped_run(LLM, untapped, prompt_ids, params_for(forced), n_new,
+                                   int(hf_config.vocab_size), plugin.ENV, check)
+            check.seconds = time.monotonic() - t0
+            forced = [(ids, t) for ids, t in zip(prompt_ids, tokens)]
+            dev.seed_everything(opts.seed, spec)
+        kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
+                                forced is not None)
         llm = LLM(**kwargs)
         try:
             info = _rank0(llm.collective_rpc(plugin.collect))
@@ -132,19 +158,15 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             complete = False
             try:
                 with interruptible():
-                    params = [SamplingParams(
-                        temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
-                        prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
-                        extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
-                                    forced[r][1] if forced is not None else None})
-                        for r in range(len(prompt_ids))]
                     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                                           params, use_tqdm=False)
+                                           params_for(forced), use_tqdm=False)
                     got = _rank0(llm.collective_rpc(plugin.collect))
                     if got["errors"]:
                         raise RuntimeError("vLLM capture hooks failed: " + "; ".join(got["errors"]))
                     _write(writer, got["records"], outputs, prompt_ids, prompts, forced, n_new,
-                           int(hf_config.vocab_size))
+                           int(hf_config.vocab_size), check)
+                if check is not None:
+                    writer.update_meta(observer_effect=check.meta())
                 complete = True
             finally:
                 writer.close(complete=complete)
@@ -292,7 +314,7 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
         "runner": "vllm", "device": str(spec), "dtype": dtype, "mode": opts.mode,
         "compile_backend": "vllm" if opts.mode == "graph" else None,
         **({"observer_effect": {"measured": False, "taps": "selection",
-                                "why": "the vLLM runner runs no untapped engine"}}
+                                "why": "observer check off (--no-observer-check)"}}
            if opts.mode == "graph" else {}),
         "seed": seeded, "determinism": determinism, "environment": environment,
         "model": {"class": (getattr(hf_config, "architectures", None) or [None])[0],
@@ -322,8 +344,35 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
 
 
 # -- writing ----------------------------------------------------------------------------------
+def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int, env: str,
+                  check: ObserverCheck) -> list[list[int]]:
+    """Graph mode's observer check: one engine without the accucheck collector (its variable
+    `env` unset while the engine loads the model), its logits per step kept in `check`; returns
+    the tokens it generated per request (the tapped engine is forced to them)."""
+    saved = os.environ.pop(env, None)
+    try:
+        llm = LLM(**kwargs)
+    finally:
+        if saved is not None:
+            os.environ[env] = saved
+    try:
+        with interruptible():
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                                   use_tqdm=False)
+    finally:
+        _shutdown(llm)
+    import torch
+
+    tokens = []
+    for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
+        for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab)):
+            check.keep(r, step, torch.from_numpy(lg))
+        tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
+    return tokens
+
+
 def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced, n_new: int,
-           vocab: int) -> None:
+           vocab: int, check: ObserverCheck | None = None) -> None:
     import torch
 
     from accucheck.capture.vllm_plugin import stats_rows
@@ -344,6 +393,9 @@ def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced,
             raise RuntimeError(f"request {r}: teacher forcing did not hold "
                                f"({tokens[:n_new]} vs {forced[r][1]})")
         logits = _step_logits(o, len(ids), n_new, vocab)
+        if check is not None:  # graph mode: record the untapped engine's logits
+            logits = [check.compare(r, step, torch.from_numpy(lg)).numpy()
+                      for step, lg in enumerate(logits)]
         for step in range(n_new + 1):
             for rec in sorted(by_step.pop((r, step), []), key=lambda x: x.order):
                 writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, rec.slot), "module",

@@ -4,8 +4,7 @@ accucheck (no h5py, no torch), so diff, inspect and sign-off can all call it.
 A graph-mode capture (accucheck.capture.graph) runs the compiled model twice: without taps
 (its logits are the file's `logits` records) and with them (every other record). Its meta
 "observer_effect" says how far the taps moved the logits: `max_rel_l2`, `max_kl`, `bitwise`,
-per step in `steps`; `measured` false when the check was off (--no-observer-check) or the
-runner has none (vLLM).
+per step in `steps`; `measured` false when the check was off (--no-observer-check).
 
 The effect matters next to the difference being judged: a diff whose logits differ by d, with
 a side whose taps moved its logits by e, reads that side's layer records from a program that
