@@ -386,3 +386,39 @@ def test_flip_with_margin_between_noise_and_three_noise_is_real(tmp_path):
     assert (f.step, f.position, f.generating, f.near_tie, f.label) == (0, 2, True, False, "real")
     assert f.margin == pytest.approx(margin, rel=1e-5) and f.noise == pytest.approx(noise, rel=1e-5)
     assert d.real_flip and not d.within
+
+
+def test_observer_note_compares_with_the_largest_logits_difference(tmp_path):
+    """A graph-mode candidate whose taps moved its logits by 0.01: the note relates that to
+    the largest logits rel_l2 between the runs (0.04 at step 1), not to other records."""
+    t = base(steps=(0, 1))
+    c = dict(t)
+    c["r0.s0:logits#0:out.0"] = t["r0.s0:logits#0:out.0"] * 1.02
+    c["r0.s1:logits#0:out.0"] = t["r0.s1:logits#0:out.0"] * 1.04
+    c["r0.s1:model.norm#0:out.0"] = t["r0.s1:model.norm#0:out.0"] * 1.08
+    graph = {"mode": "graph", "observer_effect": {
+        "measured": True, "taps": "selection", "bitwise": False, "max_rel_l2": 0.01,
+        "max_kl": 1e-5, "argmax_changed": 0}}
+    d = diff_captures(write(tmp_path / "a.h5", t, meta={"mode": "eager"}),
+                      write(tmp_path / "b.h5", c, meta=graph))
+    [note] = [n for n in d.notes if "OBSERVER" in n]
+    assert note.startswith("OBSERVER EFFECT: cand's taps moved its compiled logits by rel L2 "
+                           "1.00e-02, KL 1.00e-05 (taps: selection): 25 % of the logits "
+                           "difference judged here"), note
+
+
+@pytest.mark.parametrize("store", ["stats", "full"])
+def test_first_difference_after_identical_records(tmp_path, store):
+    from accucheck.report.diff import render
+    from accucheck.verdict.locate import analyze
+
+    t = base()
+    c = dict(t)
+    key = "r0.s0:model.layers.1.self_attn#0:out.0"
+    c[key] = t[key] * 1.00001
+    a = analyze(write(tmp_path / "a.h5", t, store=store), write(tmp_path / "b.h5", c, store=store))
+    fd = a.location.first_difference
+    assert str(fd.key) == key and fd.error < fd.tolerance
+    text = render(a, "table")
+    assert ("First difference: step 0, model.layers.1.self_attn (out.0): rel_l2 "
+            in text), text

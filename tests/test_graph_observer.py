@@ -19,7 +19,8 @@ from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 from accucheck.capture.graph import ObserverCheck, Tap, boundary_taps, logits_effect
 from accucheck.capture.recorder import default_modules
 from accucheck.cli import cli
-from accucheck.compare.observer import OBSERVER_NOTE_FRACTION, describe, observer_notes
+from accucheck.compare.observer import (OBSERVER_NOTE_FRACTION, describe, observer_effect,
+                                        observer_notes)
 from accucheck.store import open_capture
 
 PROMPT = ["The capital of France is a city with a long history"]
@@ -134,9 +135,29 @@ def test_observer_notes_say_it_when_it_matters():
     # without a logits difference to compare with, any effect is loud
     assert observer_notes(eager, meta(1e-9), None)[0].startswith("OBSERVER EFFECT: cand's")
     assert "more than the logits difference" in observer_notes(eager, meta(1e-9), None)[0]
-    assert "bitwise" in observer_notes(eager, meta(0.0, bitwise=True), 0.02)[0]
+    # exactly at 1 %: not over it
+    assert observer_notes(eager, meta(0.01 * 0.02), 0.02)[0].startswith("observer effect of")
+    # bitwise: quiet, also with no logits difference to compare with
+    for d in (0.02, None):
+        assert observer_notes(eager, meta(0.0, bitwise=True), d) == [
+            "observer effect of cand (graph mode): none (the tapped logits equal the untapped "
+            "ones bitwise; taps: selection)"]
+    assert describe({**meta(0.01)["observer_effect"], "argmax_changed": 2}) == \
+        "rel L2 1.00e-02, KL 1.00e-05, 2 argmax change(s) (taps: selection)"
+    assert describe(meta(0.01)["observer_effect"]) == "rel L2 1.00e-02, KL 1.00e-05 (taps: " \
+        "selection)"
+    # the meta summary leaves the per-step rows out
+    m = meta(0.01)
+    m["observer_effect"]["steps"] = [{"request": 0, "step": 0}]
+    assert "steps" not in observer_effect(m) and observer_effect(m)["max_rel_l2"] == 0.01
     old = observer_notes(eager, {"mode": "graph"}, 0.02)
-    assert "not measured (captured before accucheck measured it)" in old[0]
+    assert old == ["observer effect of cand (graph mode) not measured (captured before "
+                   "accucheck measured it): its layer records may come from another program "
+                   "than its logits"]
+    # both sides in graph mode: one note each, the unmeasured one first
+    both = observer_notes({"mode": "graph"}, meta(0.01), 0.02)
+    assert len(both) == 2 and both[0].startswith("observer effect of ref (graph mode) not "
+                                                 "measured") and "cand's taps" in both[1]
     assert describe(None) == ""
 
 
@@ -203,3 +224,19 @@ def test_diff_eager_vs_graph_names_where_graph_mode_starts_and_states_the_effect
     assert "NOTE: OBSERVER EFFECT: cand's taps moved its compiled logits by rel L2 " in loud.output
     ins = CliRunner().invoke(cli, ["inspect", str(sel)])
     assert "observer effect  rel L2 " in ins.output and "(taps: selection)" in ins.output
+
+
+def test_cli_observer_check_flag_reaches_the_capture(monkeypatch, tmp_path):
+    import accucheck.capture.api as api
+
+    seen = []
+
+    def fake(model_dir, prompts, out, opts, **kw):
+        seen.append(opts.observer_check)
+        return out
+    monkeypatch.setattr(api, "capture_dir", fake)
+    base = ["capture", "@tiny", "--mode", "graph", "--prompt", "hi"]
+    for extra, n in (([], 0), (["--no-observer-check"], 1), (["--observer-check"], 2)):
+        res = CliRunner().invoke(cli, base + extra + ["-o", str(tmp_path / f"{n}.h5")])
+        assert res.exit_code == 0, res.output
+    assert seen == [True, False, True]

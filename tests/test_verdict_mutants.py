@@ -728,6 +728,9 @@ def test_first_difference_is_the_first_record_not_identical_after_identical_ones
     assert line.endswith("made by code of m.l.0.attn that no record covers")
     assert "no record covers" not in first_difference_line(
         D().add("r0.s0:m.e#0:out.0").add("r0.s0:m.f#0:out.0", 1e-3).locate().first_difference)
+    # a top-level module's input: no parent to name
+    assert "no record covers" not in first_difference_line(
+        D().add("r0.s0:e#0:out.0").add("r0.s0:f#0:in.0", 1e-3).locate().first_difference)
 
 
 def test_no_first_difference_when_the_first_record_differs_or_none_does():
