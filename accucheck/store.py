@@ -393,6 +393,11 @@ class CaptureWriter:
             self._block[k, len(STAT_FIELDS):] = np.nan
         self._rows.append((skey, kind, dtype, shape_json, name, int(checksum), None, extra, None))
 
+    @property
+    def keys(self) -> frozenset[str]:
+        """The keys of every record added so far."""
+        return frozenset(self._seen)
+
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
         self._room(8 * (len(prompt_ids) + len(generated_ids)) + 8192)
@@ -607,9 +612,18 @@ class CaptureReader:
                             f"{SCHEMA_VERSION}; HINT: {REGENERATE_HINT}")
         self.complete = bool(a.get("complete", False))
         if not self.complete and not allow_incomplete:
-            raise UserError(f"{self.path}: incomplete capture (interrupted, killed or out of disk "
-                            f"space); "
-                            f"re-run the capture, or `accucheck inspect` it to see what it holds")
+            why = "interrupted, killed or out of disk space"
+            try:  # a capture whose coverage check failed says what is missing
+                cov = json.loads(_as_str(self._f["meta"][()])).get("coverage") or {}
+            except (KeyError, ValueError, TypeError):
+                cov = {}
+            if cov and not cov.get("ok", True):
+                from accucheck.coverage import coverage_line
+
+                why = coverage_line(cov)
+            raise UserError(f"{self.path}: incomplete capture ({why}); re-run the capture, or "
+                            f"`accucheck inspect` it to see what it holds (--allow-incomplete "
+                            f"compares it anyway)")
 
     def _dataset(self, name: str, *, group: h5py.Group | None = None,
                  where: str = "") -> h5py.Dataset:

@@ -288,5 +288,10 @@ def test_progress_lines_for_long_captures(tiny, tmp_path, monkeypatch):
     lines: list[str] = []
     capture_model(model, PROMPTS, tmp_path / "a.h5", tokenizer=tok, max_new_tokens=2,
                   progress=lines.append)
-    assert lines[-1] == "capture: prompt 2/2, step 2/2, " + lines[-1].split(", ")[-1]
-    assert len(lines) == 2 * 3 and lines[-1].endswith(" records")
+    ticks, last = lines[:-1], lines[-1]
+    assert ticks[-1] == "capture: prompt 2/2, step 2/2, " + ticks[-1].split(", ")[-1]
+    assert len(ticks) == 2 * 3 and ticks[-1].endswith(" records")
+    # then the coverage verdict: 2 requests x 3 steps x every site of the default selection
+    n_sites = len({r.key.site for r in open_capture(tmp_path / "a.h5").rows})
+    assert last == (f"coverage: {2 * 3 * n_sites} of {2 * 3 * n_sites} expected records "
+                    f"(1 rank x 2 requests x 3 steps x {n_sites} sites)")

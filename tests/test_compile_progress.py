@@ -67,6 +67,7 @@ def test_graph_capture_says_it_is_compiling(tiny, tmp_path, monkeypatch):
     torch._dynamo.reset()
     out = capture_model(model, ["The quick brown fox"], tmp_path / "g.h5", tokenizer=tok,
                         mode="graph", compile_backend="accucheck_slow_test", progress=lines.append)
+    assert lines.pop().startswith("coverage: ")  # the capture's last line: its coverage verdict
     assert lines and all(ln.startswith("capture: compiling (accucheck_slow_test") and
                          ln.endswith(" s") for ln in lines), lines
     # the observer check compiles the model twice: without taps first, then with them

@@ -23,6 +23,7 @@ from torch import nn
 
 import accucheck
 from accucheck.capture import device as dev
+from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.graph import ObserverCheck, boundary_taps, run_unobserved, tapped_modules
@@ -277,6 +278,13 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                                observer_effect=check.meta() if check is not None else
                                {"measured": False, "taps": meta["graph_taps"],
                                 "why": "observer check off (--no-observer-check)"})
+        cov = coverage(sites_of(writer.keys), len(prompt_ids),
+                       opts.max_new_tokens + 1 if causal else 1)
+        writer.update_meta(coverage=cov)
+        if progress is not None:
+            progress(coverage_line(cov))
+        if not cov["ok"]:
+            raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
         complete = True
     except KeyboardInterrupt as e:
         writer.close(complete=False)
@@ -286,6 +294,14 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if getattr(recorder, "shadow", None) is not None:
             recorder.shadow.close()
     return Path(out)
+
+
+def left_behind(writer: CaptureWriter) -> str:
+    """What a capture that did not complete leaves: a new file incomplete, a replaced one as
+    it was."""
+    if writer.replacing:
+        return f"the new capture was discarded, {writer.path} is unchanged"
+    return f"{writer.path} is left incomplete ({writer.n_records} records)"
 
 
 def interrupted_message(writer: CaptureWriter, e: BaseException) -> str:
