@@ -1,3 +1,4 @@
 from accucheck.cli import main
 
-main()
+if __name__ == "__main__":  # vLLM's engine may start processes that import this module again
+    main()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from accucheck.compare.observer import describe, observer_effect
+from accucheck.coverage import coverage_line
 from accucheck.store import CaptureReader, IndexRow
 
 
@@ -38,6 +39,7 @@ def summary(reader: CaptureReader) -> dict:
         "mode": m.get("mode"), "compile_backend": m.get("compile_backend"),
         "compile_stats": m.get("compile_stats"),
         "observer_effect": observer_effect(m),
+        "coverage": m.get("coverage"), "tensor_parallel": m.get("tensor_parallel"),
         "store": reader.store_mode, "seed": (m.get("seed") or {}).get("seed"),
         "model": {k: v for k, v in (m.get("model") or {}).items() if k != "config"},
         "model_path": m.get("model_path"),
@@ -68,6 +70,9 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
         *([("observer effect", describe(info["observer_effect"]))]
           if info["observer_effect"] is not None else []),
         ("store", info["store"]),
+        *([("coverage", coverage_line(info["coverage"]))] if info["coverage"] else []),
+        *([("tensor parallel", _tp(info["tensor_parallel"]))]
+          if info["tensor_parallel"] else []),
         ("model", f"{info['model'].get('class')} config {info['model'].get('config_hash')} "
                   f"weights {info['model'].get('weight_hash')}"),
         ("records", f"{info['records']} over {info['requests']} prompt(s), {info['steps']} step(s)"),
@@ -88,6 +93,20 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
                                  "l2", "nan+inf"], tablefmt="simple"),
         shown,
     ])
+
+
+def _tp(tp: dict) -> str:
+    """Ranks recorded, replicated records verified, each rank disagreement (a finding)."""
+    text = (f"size {tp.get('size')}, ranks recorded {tp.get('ranks_recorded')}, "
+            f"{tp.get('replicated_verified', 0)} replicated records equal on every rank, "
+            f"{len(tp.get('shards') or {})} sharded sites")
+    for d in (tp.get("disagreements") or [])[:5]:
+        size = "?" if d.get("rel_l2") is None else f"{d['rel_l2']:.3g}"
+        text += (f"; RANKS DISAGREE: r{d['request']}.s{d['step']}:{d['module']}#{d['call']}:"
+                 f"{d['role']}.{d['slot']} rank {d['ranks'][1]} vs rank {d['ranks'][0]} "
+                 f"(rel_l2 {size})")
+    more = len(tp.get("disagreements") or []) - 5
+    return text + (f"; {more} more disagreements" if more > 0 else "")
 
 
 def _compiled(info: dict) -> str:

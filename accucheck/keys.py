@@ -96,6 +96,21 @@ class RecordKey:
                    int(op_index) if op_index is not None else None)
 
 
+RANK_SLOT = ".rank"  # slot suffix of one tensor-parallel rank's copy / shard: "0.rank1"
+_RANK_RE = re.compile(r"^(?P<slot>.+)\.rank(?P<rank>\d+)$")
+
+
+def rank_slot(slot: str, rank: int) -> str:
+    """The slot of `rank`'s own copy of the tensor at `slot` (accucheck.capture.ranks)."""
+    return f"{slot}{RANK_SLOT}{rank}"
+
+
+def split_rank(slot: str) -> tuple[str, int | None]:
+    """("0", 1) for "0.rank1"; (slot, None) for a slot that names no rank."""
+    m = _RANK_RE.match(slot)
+    return (m.group("slot"), int(m.group("rank"))) if m else (slot, None)
+
+
 _LAYER_BLOCK = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.\d+$")
 
 

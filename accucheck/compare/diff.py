@@ -34,14 +34,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from accucheck.compare.compat import check_same_model
 from accucheck.errors import UserError
-from accucheck.keys import RecordKey
+from accucheck.keys import RecordKey, split_rank
 from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
                                        logit_noise, top2_margin, topk_overlap)
 from accucheck.compare.opmatch import OpAlignment, align_captures
@@ -333,6 +333,7 @@ class _Differ:
         self.progress = progress
         self.notes: list[str] = []
         self.compute = (_meta_dtype(R.meta), _meta_dtype(C.meta))
+        self._rank_keys: dict[tuple[str, str], RecordKey] = {}
 
     # -- tokens
     def _token_limits(self) -> tuple[dict[int, int | None], TokenFlip | None]:
@@ -415,6 +416,23 @@ class _Differ:
                     and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
         pairs = [(r, self.C.row(r.key)) for r in self.R.rows
                  if self._wanted(r.key) and r.key in self.C and r.key.op is None]
+        # tensor-parallel copies (accucheck.capture.ranks): a rank's differing copy of a
+        # replicated tensor is compared with the other side's one copy, under its own key
+        ranked, shards = rank_pairs(self.R, self.C, self._wanted)
+        joined, unjoined = self._join_shards(shards)
+        if ranked or shards:
+            paired = {str(k) for _a, _b, k in ranked} | {
+                str(k) for g in shards for k in (*g.keys, g.whole.key)}
+            missing = [m for m in missing if m.key not in paired]
+            pairs = sorted(pairs + [(a, b) for a, b, _k in ranked], key=lambda p: p[0].order)
+            self._rank_keys = {(str(a.key), str(b.key)): k for a, b, k in ranked}
+        if unjoined:
+            self.notes.append(
+                f"{unjoined} tensor-parallel shard records (meta tensor_parallel.shards) are "
+                f"not compared with the unsharded tensor of the other side: their layout is "
+                f"packed (fused q|k|v or gate|up per rank), or a side has statistics only "
+                f"(capture with --store full), or the parts do not add up to its shape")
+        self.notes += rank_notes(self.R, self.C)
         ops, gops = None, {}
         if any(r.key.op is not None for r in self.R.rows):
             op_pairs, ops = align_captures(self.R, self.C, self._wanted)
@@ -451,10 +469,15 @@ class _Differ:
             elif self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
                 grow = self.G.row(ra.key)
             rd, ls = self._compare(ra, ca, grow, shadows.get(str(ra.key)))
+            rank_key = self._rank_keys.get((str(ra.key), str(ca.key)))
+            if rank_key is not None:  # one rank's copy: reported under its own key
+                rd = replace(rd, key=rank_key, cand_key=None)
             stats_only += rd.basis in ("stats", "sample")
             records.append(rd)
             if ls is not None:
                 logits.append(ls)
+        records += [rd for rd in joined if comparable(rd.key, limits)]
+        records.sort(key=lambda rd: rd.order)
         if stats_only:
             self.notes.append(
                 f"{stats_only} of {len(records)} records have statistics only (capture with "
@@ -474,6 +497,38 @@ class _Differ:
                           str(self.G.path) if self.G is not None else None,
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
                           skipped, tuple(self.notes), self.tol, ops, self.compute)
+
+    def _join_shards(self, groups: list["ShardGroup"]) -> tuple[list[RecordDiff], int]:
+        """Each rank's part of a "concat" shard compared with its slice (last dimension, rank
+        order) of the other side's unsharded tensor, under the part's own key: the joined
+        comparison, with the rank named. Returns the records and how many shard records could
+        not be compared (packed layout, statistics only, parts that do not fit)."""
+        out, skipped = [], 0
+        for g in groups:
+            rows = g.rows
+            width = sum(r.shape[-1] for r in rows if r.shape)
+            if (g.layout != "concat" or not g.whole.has_data or not all(r.has_data for r in rows)
+                    or any(tuple(r.shape[:-1]) != tuple(g.whole.shape[:-1]) for r in rows)
+                    or not g.whole.shape or width != g.whole.shape[-1]):
+                skipped += len(rows)
+                continue
+            whole = (self.C if g.sharded_is_ref else self.R).read(g.whole.key)
+            start = 0
+            for row in rows:
+                part = (self.R if g.sharded_is_ref else self.C).read(row.key)
+                piece = whole[..., start:start + row.shape[-1]]
+                start += row.shape[-1]
+                a, b = (part, piece) if g.sharded_is_ref else (piece, part)
+                ra, ca = (row, g.whole) if g.sharded_is_ref else (g.whole, row)
+                tol = self.tol.for_record(row.key, self._tolerance_dtypes(ra.dtype, ca.dtype))
+                acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
+                acc.add(a, b)
+                out.append(RecordDiff(
+                    key=row.key, kind=row.kind, order=ra.order, ref_dtype=ra.dtype,
+                    cand_dtype=ca.dtype, ref_shape=tuple(a.shape), cand_shape=tuple(b.shape),
+                    tolerance=tol, cand_key=None, src=_links(ra) or _links(ca),
+                    basis="tensor", metrics=acc.result()))
+        return out, skipped
 
     def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
                  shadow: IndexRow | None) -> tuple[RecordDiff, LogitsStep | None]:
@@ -660,3 +715,72 @@ def _meta_dtype(meta: dict) -> str | None:
     if not isinstance(d, str) or not d:
         return None
     return d.replace("torch.", "")
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def _base_key(key: RecordKey) -> RecordKey | None:
+    slot, rank = split_rank(key.slot)
+    if rank is None or key.op is not None:
+        return None
+    return RecordKey(key.req, key.step, key.module, key.call, key.role, slot)
+
+
+@dataclass
+class ShardGroup:
+    """One side's tensor-parallel parts of a record (meta tensor_parallel.shards) and the
+    other side's unsharded record."""
+    whole: IndexRow
+    rows: list[IndexRow]          # the parts, in the annotation's rank order
+    layout: str                   # "concat" | "packed"
+    sharded_is_ref: bool
+
+    @property
+    def keys(self) -> list[RecordKey]:
+        return [r.key for r in self.rows]
+
+
+def rank_pairs(R: CaptureReader, C: CaptureReader, wanted
+               ) -> tuple[list[tuple[IndexRow, IndexRow, RecordKey]], list[ShardGroup]]:
+    """One side's per-rank records (slot `<slot>.rank<r>`, accucheck.capture.ranks) that the
+    other side holds once, under `<slot>`: a differing copy of a replicated tensor is paired
+    with the other side's copy (ref row, cand row, the rank copy's key); the parts of a shard
+    (a site in that side's meta tensor_parallel.shards) are grouped with the other side's
+    unsharded record (`_Differ._join_shards` compares them)."""
+    pairs, groups = [], []
+    for mine, other, mine_is_ref in ((C, R, False), (R, C, True)):
+        shards = (mine.meta.get("tensor_parallel") or {}).get("shards") or {}
+        parts: dict[RecordKey, dict[int, IndexRow]] = {}
+        for row in mine.rows:
+            base = _base_key(row.key)
+            if base is None or row.key in other or not wanted(row.key) or base not in other:
+                continue
+            if base.site in shards:
+                parts.setdefault(base, {})[split_rank(row.key.slot)[1]] = row
+            else:
+                pairs.append((row, other.row(base), row.key) if mine_is_ref
+                             else (other.row(base), row, row.key))
+        for base, by_rank in parts.items():
+            note = shards[base.site]
+            order = [int(r) for r in note.get("ranks", sorted(by_rank))]
+            rows = [by_rank[r] for r in order if r in by_rank]
+            layout = note.get("layout", "concat") if len(rows) == len(order) == len(by_rank) \
+                and note.get("dim", -1) == -1 else "unsupported"
+            groups.append(ShardGroup(other.row(base), rows, layout, mine_is_ref))
+    return pairs, groups
+
+
+def rank_notes(R: CaptureReader, C: CaptureReader) -> list[str]:
+    """A note per side whose ranks disagreed on replicated tensors at capture time."""
+    out = []
+    for name, side in (("ref", R), ("cand", C)):
+        found = (side.meta.get("tensor_parallel") or {}).get("disagreements") or []
+        if found:
+            d = found[0]
+            size = "?" if d.get("rel_l2") is None else f"{d['rel_l2']:.3g}"
+            out.append(
+                f"RANKS DISAGREE in {name}: {len(found)} replicated tensors differ between "
+                f"tensor-parallel ranks (first: r{d['request']}.s{d['step']}:{d['module']}"
+                f"#{d['call']}:{d['role']}.{d['slot']}, rank {d['ranks'][1]} vs rank "
+                f"{d['ranks'][0]}, rel_l2 {size}); each differing copy is compared as "
+                f"<slot>.rank<r>")
+    return out

