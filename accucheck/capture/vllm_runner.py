@@ -278,7 +278,8 @@ def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
     saved = {k: os.environ.get(k) for k in {**forced, **default}}
     os.environ.update(forced)
     for k, v in default.items():
-        os.environ.setdefault(k, v)
+        if not os.environ.get(k):  # unset or empty
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -338,6 +339,10 @@ def _engine(LLM, kwargs: dict):
             raise UserError(f"vLLM cannot bind its CPU workers ({_first_line(e)}): set "
                             f"VLLM_CPU_OMP_THREADS_BIND to one core range per rank, e.g. "
                             f"'0-7|8-15' for tensor_parallel_size=2") from None
+        if "initialization failed" in str(e):  # the engine core process stopped while starting
+            raise UserError(f"the vLLM engine did not start ({_first_line(e)}); vLLM's log above "
+                            f"says why (memory, devices, CPU binding); nothing was "
+                            f"written") from None
         raise
 
 
@@ -479,7 +484,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
     the tokens it generated per request (the tapped engine is forced to them)."""
     saved = os.environ.pop(env, None)
     try:
-        llm = LLM(**kwargs)
+        llm = _engine(LLM, kwargs)
     finally:
         if saved is not None:
             os.environ[env] = saved
