@@ -765,12 +765,14 @@ class Recorder:
                 final[k] = finish_stats(rows[k], items[k].numel,
                                         bf16_bits_to_float32(h) if items[k].dtype == "bfloat16"
                                         else h)
-        checksums = rows[:, 7].astype(np.int64)
+        checksums = rows[:, 7].astype(np.int64).tolist()
         calls: dict[tuple[str, str, str], int] = {}
-        sites: dict[int, str] = {}
+        sites: dict[_Pending, str] = {}  # producers' sites (_Pending hashes by identity)
         head = f"r{self._req}.s{self._step}:"
-        add = self.writer.add
-        for k, p in enumerate(items):
+        links_json = self._links_json
+        keys: list[str] = []
+        texts: list[str] = []
+        for p in items:
             call = p.call
             if call is None:  # graph mode: counted here, hooks there must not read Python state
                 ck = (p.module, p.role, p.slot)
@@ -779,22 +781,30 @@ class Recorder:
             site = f"{p.module}#{call}/{p.op}@{p.op_index}:{p.role}.{p.slot}" \
                 if p.op is not None else f"{p.module}#{call}:{p.role}.{p.slot}"
             if p.producer:
-                sites[id(p)] = site
+                sites[p] = site
+            keys.append(head + site)
             extra = p.extra
             if p.src:
-                links = tuple((slot, sites[id(q)]) for slot, q in p.src.items() if id(q) in sites)
+                links = tuple((slot, sites[q]) for slot, q in p.src.items() if q in sites)
                 if links and extra is None:  # the same links every step: JSON made once
-                    text = self._links_json.get(links)
+                    text = links_json.get(links)
                     if text is None:
-                        text = self._links_json[links] = _json({"src": dict(links)})
+                        text = links_json[links] = _json({"src": dict(links)})
                 elif links:
                     text = _json({**extra, "src": dict(links)})
                 else:
                     text = _json(extra) if extra else ""
             else:
                 text = _json(extra) if extra else ""
-            add(head + site, p.kind, p.dtype, p.shape, final[k], int(checksums[k]), p.host,
-                text, share=p.share)
+            texts.append(text)
+        if not self.full:  # no tensors to write: the whole step in one call
+            self.writer.add_rows(keys, [p.kind for p in items], [p.dtype for p in items],
+                                 [p.shape for p in items], final, checksums, texts)
+        else:
+            add = self.writer.add
+            for k, p in enumerate(items):
+                add(keys[k], p.kind, p.dtype, p.shape, final[k], checksums[k], p.host, texts[k],
+                    share=p.share)
         self.writer.flush()
         return len(items)
 
