@@ -559,13 +559,47 @@ class Recorder:
             return self.outputs([("0", t)], module, call, src)[0]
         producers = self._producers
         view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
-        q = producers.same(t, ident, view) if (ident[0], ident[1]) in producers._by_id else None
-        p = self.same_item(q, module, "out", "0", call) if q is not None else \
-            _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t), t.shape,
-                     t.numel(), None, None, call)
-        producers.add(t, p, ident, view)
+        key = (ident[0], ident[1])
+        by_id = producers._by_id
+        if key not in by_id:  # the usual case: a new tensor, its storage's first entry
+            p = _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t), t.shape,
+                         t.numel(), None, None, call)
+            by_id[key] = [(ident[2]._weak_ref(), view, p)]  # what producers.add does here
+            p.producer = True
+        else:
+            q = producers.same(t, ident, view)
+            p = self.same_item(q, module, "out", "0", call) if q is not None else \
+                _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t),
+                         t.shape, t.numel(), None, None, call)
+            producers.add(t, p, ident, view)
         p.src = src or None
         return p
+
+    def _link_one(self, t: torch.Tensor, module: str, call: int) -> dict | None:
+        """The usual leaf call without --inputs (one tensor argument): `link_inputs([("0", t)],
+        module, call)`, faster. Appends the "in" record, if one is needed, to the step;
+        returns the links (None for none)."""
+        if t.is_floating_point() and t.numel():
+            ident = _identity(t)
+            if ident is not None and ident[0] not in self._weights:
+                producers = self._producers
+                entries = producers._by_id.get((ident[0], ident[1]))
+                if entries is not None and len(entries) == 1 \
+                        and not _weak_expired(entries[0][0]):
+                    return {"0": entries[0][2]}  # find(): the one live entry, whatever view
+                view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
+                producer = producers.find(t, ident, view) if entries is not None else None
+                if producer is not None:
+                    return {"0": producer}
+                p = _Pending(module, "in", "0", "module", self.stats.add(t), dtype_name(t),
+                             t.shape, t.numel(), None, None, call)
+                self._pending.append(p)
+                producers.add(t, p, ident, view)
+                return None
+        src, ins = self.link_inputs([("0", t)], module, call)
+        if ins:
+            self._pending.extend(ins)
+        return src or None
 
     # -- hooks ---------------------------------------------------------------------------
     def _tap_hook(self, tap):
@@ -599,13 +633,17 @@ class Recorder:
 
         stack, calls, link, outputs = self._stack, self._calls, self.link_inputs, self.outputs
         if role == "in":
+            every, link_one = self.record_inputs, self._link_one
             def enter_eager(_mod, args, kwargs):
                 if self._pause:
                     return None
                 call = calls.get(name, 0)
                 calls[name] = call + 1
                 if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                    slots = [("0", args[0])]  # a leaf module's usual call
+                    if not every:  # a leaf module's usual call
+                        stack.append(_Frame(name, call, link_one(args[0], name, call)))
+                        return None
+                    slots = [("0", args[0])]
                 else:
                     slots = call_slots(args, kwargs)
                 src, ins = link(slots, name, call)
@@ -628,7 +666,6 @@ class Recorder:
                     frame = self.pop_frame(name)
                     if frame is None:
                         return None
-                closed[name] = frame
                 if isinstance(out, torch.Tensor):
                     pending.append(one(out, name, frame.call, frame.src))
                 elif out is not None:
