@@ -561,7 +561,12 @@ class Recorder:
         view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
         key = (ident[0], ident[1])
         by_id = producers._by_id
-        if key not in by_id:  # the usual case: a new tensor, its storage's first entry
+        entries = by_id.get(key)
+        if entries is not None and len(entries) == 1 and _weak_expired(entries[0][0]):
+            _weak_free(entries[0][0])  # a freed tensor's address, reused: what _live drops
+            del by_id[key]
+            entries = None
+        if entries is None:  # the usual case: a new tensor, its storage's only entry
             p = _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t), t.shape,
                          t.numel(), None, None, call)
             by_id[key] = [(ident[2]._weak_ref(), view, p)]  # what producers.add does here
@@ -583,10 +588,15 @@ class Recorder:
             ident = _identity(t)
             if ident is not None and ident[0] not in self._weights:
                 producers = self._producers
-                entries = producers._by_id.get((ident[0], ident[1]))
-                if entries is not None and len(entries) == 1 \
-                        and not _weak_expired(entries[0][0]):
-                    return {"0": entries[0][2]}  # find(): the one live entry, whatever view
+                by_id = producers._by_id
+                key = (ident[0], ident[1])
+                entries = by_id.get(key)
+                if entries is not None and len(entries) == 1:
+                    if not _weak_expired(entries[0][0]):
+                        return {"0": entries[0][2]}  # find(): the one live entry, any view
+                    _weak_free(entries[0][0])  # a freed tensor's address, reused
+                    del by_id[key]
+                    entries = None
                 view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
                 producer = producers.find(t, ident, view) if entries is not None else None
                 if producer is not None:
@@ -594,7 +604,11 @@ class Recorder:
                 p = _Pending(module, "in", "0", "module", self.stats.add(t), dtype_name(t),
                              t.shape, t.numel(), None, None, call)
                 self._pending.append(p)
-                producers.add(t, p, ident, view)
+                if entries is None:  # what producers.add does for a storage without entries
+                    by_id[key] = [(ident[2]._weak_ref(), view, p)]
+                    p.producer = True
+                else:
+                    producers.add(t, p, ident, view)
                 return None
         src, ins = self.link_inputs([("0", t)], module, call)
         if ins:
