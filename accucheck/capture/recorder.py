@@ -238,6 +238,18 @@ def _identity(t: torch.Tensor):
     return (ptr, t._version, st) if ptr else None
 
 
+def _plain_storage(t: torch.Tensor):
+    """`t`'s untyped storage when `t` is a floating-point tensor `_identity` can tell apart
+    (not an inference tensor, has a storage); else None (the caller takes the general path,
+    which also handles an empty storage, complex and integer tensors)."""
+    if not t.is_floating_point() or t.is_inference():
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
 def _json(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
@@ -553,13 +565,16 @@ class Recorder:
 
     def _one_output(self, t: torch.Tensor, module: str, call: int, src: dict | None
                     ) -> _Pending:
-        """`outputs([("0", t)], module, call, src)[0]`: the usual module output, faster."""
-        ident = _identity(t) if t.is_floating_point() else None
-        if ident is None:
+        """`outputs([("0", t)], module, call, src)[0]`: the usual module output, faster
+        (`_identity` and `_Producers.add` inlined for a storage without a live entry)."""
+        st = _plain_storage(t)
+        ptr = st.data_ptr() if st is not None else 0
+        if not ptr:
             return self.outputs([("0", t)], module, call, src)[0]
+        key = (ptr, t._version)
+        dt = t.dtype
+        view = (t.storage_offset(), t.shape, t.stride(), dt)
         producers = self._producers
-        view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
-        key = (ident[0], ident[1])
         by_id = producers._by_id
         entries = by_id.get(key)
         if entries is not None and len(entries) == 1 and _weak_expired(entries[0][0]):
@@ -567,11 +582,13 @@ class Recorder:
             del by_id[key]
             entries = None
         if entries is None:  # the usual case: a new tensor, its storage's only entry
-            p = _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t), t.shape,
-                         t.numel(), None, None, call)
-            by_id[key] = [(ident[2]._weak_ref(), view, p)]  # what producers.add does here
+            p = _Pending(module, "out", "0", "module", self.stats.add(t),
+                         _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
+                         call)
+            by_id[key] = [(st._weak_ref(), view, p)]  # what producers.add does here
             p.producer = True
         else:
+            ident = (key[0], key[1], st)
             q = producers.same(t, ident, view)
             p = self.same_item(q, module, "out", "0", call) if q is not None else \
                 _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t),
@@ -584,32 +601,35 @@ class Recorder:
         """The usual leaf call without --inputs (one tensor argument): `link_inputs([("0", t)],
         module, call)`, faster. Appends the "in" record, if one is needed, to the step;
         returns the links (None for none)."""
-        if t.is_floating_point() and t.numel():
-            ident = _identity(t)
-            if ident is not None and ident[0] not in self._weights:
-                producers = self._producers
-                by_id = producers._by_id
-                key = (ident[0], ident[1])
-                entries = by_id.get(key)
-                if entries is not None and len(entries) == 1:
-                    if not _weak_expired(entries[0][0]):
-                        return {"0": entries[0][2]}  # find(): the one live entry, any view
-                    _weak_free(entries[0][0])  # a freed tensor's address, reused
-                    del by_id[key]
-                    entries = None
-                view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
-                producer = producers.find(t, ident, view) if entries is not None else None
-                if producer is not None:
-                    return {"0": producer}
-                p = _Pending(module, "in", "0", "module", self.stats.add(t), dtype_name(t),
-                             t.shape, t.numel(), None, None, call)
-                self._pending.append(p)
-                if entries is None:  # what producers.add does for a storage without entries
-                    by_id[key] = [(ident[2]._weak_ref(), view, p)]
-                    p.producer = True
-                else:
-                    producers.add(t, p, ident, view)
-                return None
+        st = _plain_storage(t) if t.numel() else None
+        ptr = st.data_ptr() if st is not None else 0
+        if ptr and ptr not in self._weights:
+            producers = self._producers
+            by_id = producers._by_id
+            key = (ptr, t._version)
+            entries = by_id.get(key)
+            if entries is not None and len(entries) == 1:
+                if not _weak_expired(entries[0][0]):
+                    return {"0": entries[0][2]}  # find(): the one live entry, any view
+                _weak_free(entries[0][0])  # a freed tensor's address, reused
+                del by_id[key]
+                entries = None
+            dt = t.dtype
+            view = (t.storage_offset(), t.shape, t.stride(), dt)
+            ident = (ptr, key[1], st)
+            producer = producers.find(t, ident, view) if entries is not None else None
+            if producer is not None:
+                return {"0": producer}
+            p = _Pending(module, "in", "0", "module", self.stats.add(t),
+                         _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
+                         call)
+            self._pending.append(p)
+            if entries is None:  # what producers.add does for a storage without entries
+                by_id[key] = [(st._weak_ref(), view, p)]
+                p.producer = True
+            else:
+                producers.add(t, p, ident, view)
+            return None
         src, ins = self.link_inputs([("0", t)], module, call)
         if ins:
             self._pending.extend(ins)
@@ -683,7 +703,11 @@ class Recorder:
                 if isinstance(out, torch.Tensor):
                     pending.append(one(out, name, frame.call, frame.src))
                 elif out is not None:
-                    pending.extend(outputs(flatten(out), name, frame.call, frame.src))
+                    slots = flatten(out)
+                    if len(slots) == 1 and slots[0][0] == "0":  # (attn_output, None)
+                        pending.append(one(slots[0][1], name, frame.call, frame.src))
+                    else:
+                        pending.extend(outputs(slots, name, frame.call, frame.src))
                 return None
             one = self._one_output
             return exit_out_eager
