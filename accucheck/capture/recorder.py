@@ -504,6 +504,7 @@ class Recorder:
         every = self.record_inputs
         op_index = -1 if op else None
         producers = self._producers
+        by_id = producers._by_id
         for slot, t in slots:
             # an empty tensor (the prefill's empty KV cache) holds nothing to compare
             if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
@@ -519,6 +520,12 @@ class Recorder:
                                                 op_index, kind))
                 continue
             if ident is not None:
+                if not every:  # find() of a storage with one live entry: that entry
+                    entries = by_id.get((ident[0], ident[1]))
+                    if entries is not None and len(entries) == 1 \
+                            and not _weak_expired(entries[0][0]):
+                        src[slot] = entries[0][2]
+                        continue
                 view = _view(t)
                 producer = producers.find(t, ident, view)
                 if producer is not None:
