@@ -176,10 +176,12 @@ class CaptureWriter:
     it and renamed into place only by a complete close (see the module docstring). `add`
     buffers index rows and writes tensors at once; `flush` (called by the recorder after every
     step) writes the buffered rows and flushes HDF5, so a killed capture leaves a readable,
-    incomplete file. Use as a context manager: a clean exit sets `complete`, an exception leaves
-    it false. A full disk raises UserError ("disk full writing ...") and leaves the file
-    incomplete with the records flushed so far; the writer stops short of the limit (keeping
-    room for a clean close) when it can see it coming (free space, `ulimit -f`).
+    incomplete file. `add_rows` adds many records without tensor data at once (a stats-mode
+    step, the recorder's end_step): the same rows as one `add` each. Use as a context manager:
+    a clean exit sets `complete`, an exception leaves it false. A full disk raises UserError
+    ("disk full writing ...") and leaves the file incomplete with the records flushed so far;
+    the writer stops short of the limit (keeping room for a clean close) when it can see it
+    coming (free space, `ulimit -f`).
     """
 
     # bytes kept free for the index rows and metadata that a clean close still writes

@@ -388,6 +388,12 @@ class Recorder:
     attribute work to the innermost open call (the op and shadow recorders) set
     `_merged_exit = False`: a separate exit hook, prepended, closes the call before any other
     forward hook runs (a planted fault's ops are then not the module's).
+
+    Cost (bench/bench_capture.py): at short sequences a record costs Python, not bandwidth. The
+    usual calls take fast paths with the same result as the general ones: one tensor in
+    (`_link_one`) or out (`_one_output`), a storage with a single entry; the step's records
+    reach the writer in one `add_rows` call. The pre-hook stays separate from the forward hook:
+    links and "in" statistics must see the inputs before forward can change them in place.
     """
 
     _merged_exit = True
