@@ -243,6 +243,7 @@ class CaptureWriter:
                                    dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
                 self._f.create_group("tensors")
                 self._f.create_group("requests")
+                self._index = {name: idx[name] for name in idx}  # opened once, not per flush
                 self._f.flush()  # on disk at once: from here on a killed capture opens
         except UserError:  # the disk is full before the first record
             self._discard()
@@ -479,7 +480,7 @@ class CaptureWriter:
 
     def _write_rows(self) -> None:
         if self._rows:
-            idx = self._f["index"]
+            idx = self._index
             n0, k = self._n, len(self._rows)
             cols = list(zip(*self._rows))
             for j, name in ((0, "key"), (1, "kind"), (2, "dtype"), (3, "shape"), (4, "data"),
