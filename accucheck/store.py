@@ -87,6 +87,7 @@ FORMAT = "accucheck"
 SCHEMA_VERSION = 1
 STAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "zero", "numel")
 KINDS = ("module", "op", "logits")
+_KIND_SET = frozenset(KINDS)
 STORE_MODES = ("stats", "full")
 _STR = h5py.string_dtype("utf-8")
 _INDEX_COLUMNS = {
@@ -175,10 +176,12 @@ class CaptureWriter:
     it and renamed into place only by a complete close (see the module docstring). `add`
     buffers index rows and writes tensors at once; `flush` (called by the recorder after every
     step) writes the buffered rows and flushes HDF5, so a killed capture leaves a readable,
-    incomplete file. Use as a context manager: a clean exit sets `complete`, an exception leaves
-    it false. A full disk raises UserError ("disk full writing ...") and leaves the file
-    incomplete with the records flushed so far; the writer stops short of the limit (keeping
-    room for a clean close) when it can see it coming (free space, `ulimit -f`).
+    incomplete file. `add_rows` adds many records without tensor data at once (a stats-mode
+    step, the recorder's end_step): the same rows as one `add` each. Use as a context manager:
+    a clean exit sets `complete`, an exception leaves it false. A full disk raises UserError
+    ("disk full writing ...") and leaves the file incomplete with the records flushed so far;
+    the writer stops short of the limit (keeping room for a clean close) when it can see it
+    coming (free space, `ulimit -f`).
     """
 
     # bytes kept free for the index rows and metadata that a clean close still writes
@@ -240,6 +243,7 @@ class CaptureWriter:
                                    dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
                 self._f.create_group("tensors")
                 self._f.create_group("requests")
+                self._index = {name: idx[name] for name in idx}  # opened once, not per flush
                 self._f.flush()  # on disk at once: from here on a killed capture opens
         except UserError:  # the disk is full before the first record
             self._discard()
@@ -398,6 +402,52 @@ class CaptureWriter:
         """The keys of every record added so far."""
         return frozenset(self._seen)
 
+    def add_rows(self, keys: Sequence[str], kinds: Sequence[str], dtypes: Sequence[str],
+                 shapes: Sequence[Sequence[int]], stats: np.ndarray, checksums: Sequence[int],
+                 extras: Sequence[str]) -> None:
+        """Many records without tensor data at once (a stats-mode step): the same rows as
+        `add(keys[i], kinds[i], dtypes[i], shapes[i], stats[i], checksums[i], extra=extras[i])`
+        for each i, in order, with one check and one block copy. `keys`: strings; `stats`:
+        [n, STAT_FIELDS (+ SAMPLE_SIZE)] float64; `checksums`: ints."""
+        n = len(keys)
+        if not n:
+            return
+        if not set(kinds) <= _KIND_SET:
+            raise ValueError(f"kind must be one of {KINDS}")
+        new = set(keys)
+        if len(new) != n or not self._seen.isdisjoint(new):
+            seen = set(self._seen)
+            for skey in keys:
+                if skey in seen:
+                    raise ValueError(f"duplicate record key {skey}")
+                seen.add(skey)
+        if self._closed:
+            raise ValueError(f"{self.path}: add after close")
+        block = np.asarray(stats, dtype=np.float64)
+        width = block.shape[1] if block.ndim == 2 and len(block) == n else -1
+        if width not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
+            raise ValueError(f"stats block of shape {block.shape} for {n} records")
+        self._seen |= new
+        cache = self._shapes
+        shape_json = []
+        for s in shapes:
+            j = cache.get(s)
+            if j is None:
+                s = tuple(s)
+                j = cache[s] = json.dumps([int(v) for v in s])
+            shape_json.append(j)
+        k = len(self._rows)
+        if k + n > len(self._block):
+            grown = np.empty((max(2 * len(self._block), k + n), self._block.shape[1]))
+            grown[:k] = self._block[:k]
+            self._block = grown
+        self._block[k:k + n, :width] = block
+        if width == len(STAT_FIELDS):
+            self._block[k:k + n, len(STAT_FIELDS):] = np.nan
+        none = (None,) * n
+        self._rows.extend(zip(keys, kinds, dtypes, shape_json, ("",) * n, checksums, none,
+                              extras, none))
+
     def set_request(self, i: int, prompt_ids: Sequence[int], generated_ids: Sequence[int],
                     prompt: str | None = None) -> None:
         self._room(8 * (len(prompt_ids) + len(generated_ids)) + 8192)
@@ -435,7 +485,7 @@ class CaptureWriter:
 
     def _write_rows(self) -> None:
         if self._rows:
-            idx = self._f["index"]
+            idx = self._index
             n0, k = self._n, len(self._rows)
             cols = list(zip(*self._rows))
             for j, name in ((0, "key"), (1, "kind"), (2, "dtype"), (3, "shape"), (4, "data"),

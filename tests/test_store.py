@@ -165,3 +165,40 @@ def test_record_key_round_trip():
         assert RecordKey.parse(str(k)) == k
     with pytest.raises(UserError):
         RecordKey.parse("layers.0")
+
+
+def test_add_rows_writes_what_add_writes(tmp_path):
+    """CaptureWriter.add_rows (a stats-mode step in one call) stores exactly the rows that one
+    `add` per record stores, and refuses what `add` refuses."""
+    rng = np.random.default_rng(0)
+    keys = [str(RecordKey(0, 0, f"m{i}", 0, "out", "0")) for i in range(300)]  # > one block
+    kinds = ["module"] * 299 + ["logits"]
+    dtypes = ["float32", "bfloat16"] * 150
+    shapes = [torch.Size([1, i % 7 + 1]) if i % 2 else (2, 3) for i in range(300)]
+    stats = rng.standard_normal((300, 10 + 64))
+    checksums = [int(v) for v in rng.integers(0, 2 ** 52, 300)]
+    extras = ["", '{"src":{"0":"m0#0:out.0"}}'] * 150
+    for name, how in (("one.h5", "add"), ("rows.h5", "rows")):
+        with CaptureWriter(tmp_path / name, meta={}, store="stats") as w:
+            if how == "add":
+                for i in range(300):
+                    w.add(keys[i], kinds[i], dtypes[i], shapes[i], stats[i], checksums[i],
+                          extra=extras[i])
+            else:
+                w.add_rows(keys[:120], kinds[:120], dtypes[:120], shapes[:120], stats[:120],
+                           checksums[:120], extras[:120])
+                w.flush(force=True)
+                w.add_rows(keys[120:], kinds[120:], dtypes[120:], shapes[120:], stats[120:],
+                           checksums[120:], extras[120:])
+            with pytest.raises(ValueError, match="duplicate record key"):
+                w.add_rows([keys[5]], ["module"], ["float32"], [(1,)], stats[:1], [0], [""])
+            with pytest.raises(ValueError, match="kind must be"):
+                w.add_rows(["x"], ["tensor"], ["float32"], [(1,)], stats[:1], [0], [""])
+    with h5py.File(tmp_path / "one.h5") as a, h5py.File(tmp_path / "rows.h5") as b:
+        assert sorted(a["index"]) == sorted(b["index"])
+        for col in a["index"]:
+            x, y = a["index"][col][()], b["index"][col][()]
+            if x.dtype == object:
+                assert x.tolist() == y.tolist(), col
+            else:
+                np.testing.assert_array_equal(x, y, err_msg=col)

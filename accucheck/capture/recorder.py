@@ -238,6 +238,18 @@ def _identity(t: torch.Tensor):
     return (ptr, t._version, st) if ptr else None
 
 
+def _plain_storage(t: torch.Tensor):
+    """`t`'s untyped storage when `t` is a floating-point tensor `_identity` can tell apart
+    (not an inference tensor, has a storage); else None (the caller takes the general path,
+    which also handles an empty storage, complex and integer tensors)."""
+    if not t.is_floating_point() or t.is_inference():
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
 def _json(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
@@ -376,6 +388,12 @@ class Recorder:
     attribute work to the innermost open call (the op and shadow recorders) set
     `_merged_exit = False`: a separate exit hook, prepended, closes the call before any other
     forward hook runs (a planted fault's ops are then not the module's).
+
+    Cost (bench/bench_capture.py): at short sequences a record costs Python, not bandwidth. The
+    usual calls take fast paths with the same result as the general ones: one tensor in
+    (`_link_one`) or out (`_one_output`), a storage with a single entry; the step's records
+    reach the writer in one `add_rows` call. The pre-hook stays separate from the forward hook:
+    links and "in" statistics must see the inputs before forward can change them in place.
     """
 
     _merged_exit = True
@@ -492,6 +510,7 @@ class Recorder:
         every = self.record_inputs
         op_index = -1 if op else None
         producers = self._producers
+        by_id = producers._by_id
         for slot, t in slots:
             # an empty tensor (the prefill's empty KV cache) holds nothing to compare
             if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
@@ -507,6 +526,12 @@ class Recorder:
                                                 op_index, kind))
                 continue
             if ident is not None:
+                if not every:  # find() of a storage with one live entry: that entry
+                    entries = by_id.get((ident[0], ident[1]))
+                    if entries is not None and len(entries) == 1 \
+                            and not _weak_expired(entries[0][0]):
+                        src[slot] = entries[0][2]
+                        continue
                 view = _view(t)
                 producer = producers.find(t, ident, view)
                 if producer is not None:
@@ -553,19 +578,75 @@ class Recorder:
 
     def _one_output(self, t: torch.Tensor, module: str, call: int, src: dict | None
                     ) -> _Pending:
-        """`outputs([("0", t)], module, call, src)[0]`: the usual module output, faster."""
-        ident = _identity(t) if t.is_floating_point() else None
-        if ident is None:
+        """`outputs([("0", t)], module, call, src)[0]`: the usual module output, faster
+        (`_identity` and `_Producers.add` inlined for a storage without a live entry)."""
+        st = _plain_storage(t)
+        ptr = st.data_ptr() if st is not None else 0
+        if not ptr:
             return self.outputs([("0", t)], module, call, src)[0]
+        key = (ptr, t._version)
+        dt = t.dtype
+        view = (t.storage_offset(), t.shape, t.stride(), dt)
         producers = self._producers
-        view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
-        q = producers.same(t, ident, view) if (ident[0], ident[1]) in producers._by_id else None
-        p = self.same_item(q, module, "out", "0", call) if q is not None else \
-            _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t), t.shape,
-                     t.numel(), None, None, call)
-        producers.add(t, p, ident, view)
+        by_id = producers._by_id
+        entries = by_id.get(key)
+        if entries is not None and len(entries) == 1 and _weak_expired(entries[0][0]):
+            _weak_free(entries[0][0])  # a freed tensor's address, reused: what _live drops
+            del by_id[key]
+            entries = None
+        if entries is None:  # the usual case: a new tensor, its storage's only entry
+            p = _Pending(module, "out", "0", "module", self.stats.add(t),
+                         _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
+                         call)
+            by_id[key] = [(st._weak_ref(), view, p)]  # what producers.add does here
+            p.producer = True
+        else:
+            ident = (key[0], key[1], st)
+            q = producers.same(t, ident, view)
+            p = self.same_item(q, module, "out", "0", call) if q is not None else \
+                _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t),
+                         t.shape, t.numel(), None, None, call)
+            producers.add(t, p, ident, view)
         p.src = src or None
         return p
+
+    def _link_one(self, t: torch.Tensor, module: str, call: int) -> dict | None:
+        """The usual leaf call without --inputs (one tensor argument): `link_inputs([("0", t)],
+        module, call)`, faster. Appends the "in" record, if one is needed, to the step;
+        returns the links (None for none)."""
+        st = _plain_storage(t) if t.numel() else None
+        ptr = st.data_ptr() if st is not None else 0
+        if ptr and ptr not in self._weights:
+            producers = self._producers
+            by_id = producers._by_id
+            key = (ptr, t._version)
+            entries = by_id.get(key)
+            if entries is not None and len(entries) == 1:
+                if not _weak_expired(entries[0][0]):
+                    return {"0": entries[0][2]}  # find(): the one live entry, any view
+                _weak_free(entries[0][0])  # a freed tensor's address, reused
+                del by_id[key]
+                entries = None
+            dt = t.dtype
+            view = (t.storage_offset(), t.shape, t.stride(), dt)
+            ident = (ptr, key[1], st)
+            producer = producers.find(t, ident, view) if entries is not None else None
+            if producer is not None:
+                return {"0": producer}
+            p = _Pending(module, "in", "0", "module", self.stats.add(t),
+                         _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
+                         call)
+            self._pending.append(p)
+            if entries is None:  # what producers.add does for a storage without entries
+                by_id[key] = [(st._weak_ref(), view, p)]
+                p.producer = True
+            else:
+                producers.add(t, p, ident, view)
+            return None
+        src, ins = self.link_inputs([("0", t)], module, call)
+        if ins:
+            self._pending.extend(ins)
+        return src or None
 
     # -- hooks ---------------------------------------------------------------------------
     def _tap_hook(self, tap):
@@ -599,13 +680,17 @@ class Recorder:
 
         stack, calls, link, outputs = self._stack, self._calls, self.link_inputs, self.outputs
         if role == "in":
+            every, link_one = self.record_inputs, self._link_one
             def enter_eager(_mod, args, kwargs):
                 if self._pause:
                     return None
                 call = calls.get(name, 0)
                 calls[name] = call + 1
                 if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                    slots = [("0", args[0])]  # a leaf module's usual call
+                    if not every:  # a leaf module's usual call
+                        stack.append(_Frame(name, call, link_one(args[0], name, call)))
+                        return None
+                    slots = [("0", args[0])]
                 else:
                     slots = call_slots(args, kwargs)
                 src, ins = link(slots, name, call)
@@ -628,11 +713,14 @@ class Recorder:
                     frame = self.pop_frame(name)
                     if frame is None:
                         return None
-                closed[name] = frame
                 if isinstance(out, torch.Tensor):
                     pending.append(one(out, name, frame.call, frame.src))
                 elif out is not None:
-                    pending.extend(outputs(flatten(out), name, frame.call, frame.src))
+                    slots = flatten(out)
+                    if len(slots) == 1 and slots[0][0] == "0":  # (attn_output, None)
+                        pending.append(one(slots[0][1], name, frame.call, frame.src))
+                    else:
+                        pending.extend(outputs(slots, name, frame.call, frame.src))
                 return None
             one = self._one_output
             return exit_out_eager
@@ -765,12 +853,14 @@ class Recorder:
                 final[k] = finish_stats(rows[k], items[k].numel,
                                         bf16_bits_to_float32(h) if items[k].dtype == "bfloat16"
                                         else h)
-        checksums = rows[:, 7].astype(np.int64)
+        checksums = rows[:, 7].astype(np.int64).tolist()
         calls: dict[tuple[str, str, str], int] = {}
-        sites: dict[int, str] = {}
+        sites: dict[_Pending, str] = {}  # producers' sites (_Pending hashes by identity)
         head = f"r{self._req}.s{self._step}:"
-        add = self.writer.add
-        for k, p in enumerate(items):
+        links_json = self._links_json
+        keys: list[str] = []
+        texts: list[str] = []
+        for p in items:
             call = p.call
             if call is None:  # graph mode: counted here, hooks there must not read Python state
                 ck = (p.module, p.role, p.slot)
@@ -779,22 +869,30 @@ class Recorder:
             site = f"{p.module}#{call}/{p.op}@{p.op_index}:{p.role}.{p.slot}" \
                 if p.op is not None else f"{p.module}#{call}:{p.role}.{p.slot}"
             if p.producer:
-                sites[id(p)] = site
+                sites[p] = site
+            keys.append(head + site)
             extra = p.extra
             if p.src:
-                links = tuple((slot, sites[id(q)]) for slot, q in p.src.items() if id(q) in sites)
+                links = tuple((slot, sites[q]) for slot, q in p.src.items() if q in sites)
                 if links and extra is None:  # the same links every step: JSON made once
-                    text = self._links_json.get(links)
+                    text = links_json.get(links)
                     if text is None:
-                        text = self._links_json[links] = _json({"src": dict(links)})
+                        text = links_json[links] = _json({"src": dict(links)})
                 elif links:
                     text = _json({**extra, "src": dict(links)})
                 else:
                     text = _json(extra) if extra else ""
             else:
                 text = _json(extra) if extra else ""
-            add(head + site, p.kind, p.dtype, p.shape, final[k], int(checksums[k]), p.host,
-                text, share=p.share)
+            texts.append(text)
+        if not self.full:  # no tensors to write: the whole step in one call
+            self.writer.add_rows(keys, [p.kind for p in items], [p.dtype for p in items],
+                                 [p.shape for p in items], final, checksums, texts)
+        else:
+            add = self.writer.add
+            for k, p in enumerate(items):
+                add(keys[k], p.kind, p.dtype, p.shape, final[k], checksums[k], p.host, texts[k],
+                    share=p.share)
         self.writer.flush()
         return len(items)
 
