@@ -30,7 +30,7 @@ class Rec:
 
 def rec(module, rank, values, *, req=0, step=0, role="out", order=0, data=True, checksum=None):
     v = np.asarray(values, dtype=np.float32)
-    f = v.astype(np.float64)
+    f = v.astype(np.float64).ravel()
     stats = np.array([f.min(), f.max(), f.mean(), 0.0, np.abs(f).max(), np.sqrt(f @ f), 0, 0,
                       0, f.size])
     return Rec(req, step, module, 0, role, "0", "float32", v.shape, stats,
@@ -54,6 +54,10 @@ def test_shard_layouts_by_class_and_role():
     assert shard_layout("RowParallelLinear", "in") == "concat"  # input_is_parallel
     assert shard_layout("VocabParallelEmbedding", "out") is None
     assert shard_layout("ColumnParallelLinear", "shadow") is None
+    # subclasses (vllm-ascend's) keep their parent's layout
+    assert shard_layout("AscendRowParallelLinear", "in") == "concat"
+    assert shard_layout("AscendQKVParallelLinear", "out") == "packed"
+    assert shard_layout("AscendColumnParallelLinear", "out") == "concat"
 
 
 def test_equal_replicated_copies_are_stored_once():
@@ -89,6 +93,34 @@ def test_statistics_only_disagreement_is_sized_by_the_norms():
     assert d["rel_l2"] == 0.0
 
 
+def test_copies_differ_by_shape_checksum_or_statistics():
+    a = rec("o", 0, [3, 4])
+    for b in (rec("o", 1, [3, 4], checksum=a.checksum),               # equal: verified
+              rec("o", 1, [[3, 4]], checksum=a.checksum),             # another shape
+              rec("o", 1, [3, 4], checksum=a.checksum + 1)):          # another bit pattern
+        b.stats = a.stats.copy()
+        m = merge_ranks({0: [a], 1: [b]}, KINDS, 2)
+        assert (m.verified, len(m.disagreements)) == ((1, 0) if b.shape == a.shape and
+                                                      b.checksum == a.checksum else (0, 1))
+    c = rec("o", 1, [3, 4], checksum=a.checksum)
+    c.stats = a.stats.copy()
+    c.stats[3] = 7.0  # same shape and checksum, other statistics: still not the same tensor
+    assert len(merge_ranks({0: [a], 1: [c]}, KINDS, 2).disagreements) == 1
+    # a NaN statistic (the mean of an all-NaN tensor) is equal to itself
+    n0, n1 = rec("o", 0, [3, 4]), rec("o", 1, [3, 4])
+    n0.stats[2] = n1.stats[2] = np.nan
+    assert merge_ranks({0: [n0], 1: [n1]}, KINDS, 2).verified == 1
+
+
+@pytest.mark.parametrize("with_data", [(True, False), (False, True)])
+def test_a_copy_without_data_is_sized_by_the_norms(with_data):
+    a = rec("o", 0, [3, 4], data=with_data[0])
+    b = rec("o", 1, [3, 4.4], data=with_data[1])
+    [d] = merge_ranks({0: [a], 1: [b]}, KINDS, 2).disagreements
+    assert d["basis"] == "l2 norms"
+    assert d["rel_l2"] == pytest.approx(abs(np.hypot(3, 4.4) - 5.0) / 5.0, rel=1e-6)
+
+
 def test_sharded_records_keep_every_rank_with_an_annotation():
     m = merge_ranks({0: [rec("qkv", 0, [1, 2]), rec("attn", 0, [5], order=1),
                          rec("o", 0, [5], role="in", order=2)],
@@ -104,6 +136,14 @@ def test_sharded_records_keep_every_rank_with_an_annotation():
         "o#0:in.0": {"dim": -1, "ranks": [0, 1], "layout": "concat"}}
     assert m.disagreements == [] and m.verified == 0
     assert rank_slot("1.0", 3) == "1.0.rank3"
+
+
+def test_a_record_one_rank_lacks_is_stored_but_not_verified():
+    m = merge_ranks({0: [rec("emb", 0, [1, 2]), rec("o", 0, [3], order=1)],
+                     1: [rec("emb", 1, [1, 2])]}, KINDS, 2)
+    assert [(slot, r.module) for slot, r in m.records] == [("0", "emb"), ("0", "o")]
+    assert m.verified == 1 and m.disagreements == []
+    assert (1, 0, 0, "o#0:out.0") not in m.seen  # the coverage check finds it missing
 
 
 def test_one_rank_is_a_plain_capture():

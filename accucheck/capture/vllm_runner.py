@@ -44,7 +44,7 @@ _FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
                   "enable_prefix_caching": False, "async_scheduling": False}
 _SUPPORTED_PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
 WORKER_EXTENSION = "accucheck.capture.vllm_plugin.CaptureWorker"
-FORCE_TOKENS = "accucheck.capture.vllm_plugin.ForceTokens"
+FORCE_TOKENS = "accucheck.capture.vllm_plugin:ForceTokens"  # vLLM wants <module>:<type>
 TEST_FAULT_ENV = "ACCUCHECK_VLLM_TEST_FAULT"
 COLLECT = "accucheck_collect"   # CaptureWorker's method, called on every worker by name
 
