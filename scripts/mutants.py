@@ -98,6 +98,7 @@ _METRICS = "accucheck/compare/metrics.py"
 _OPMATCH = "accucheck/compare/opmatch.py"
 _LOCATE = "accucheck/verdict/locate.py"
 _CULPRIT = "accucheck/verdict/culprit.py"
+_TOL = "accucheck/compare/tolerances.py"
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_METRICS, r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
     (_METRICS, r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
@@ -207,6 +208,23 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
      "an op ident holds one '@' (module paths and op names have none)"),
     (_CULPRIT, r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
      r"if math\.isinf\(x\):\n\s*return \"inf\"$"),
+    (_TOL, r'best, eps = "int64", \(-(2\.0|0\.5)\)$', "a negative start: every eps is >= 0 "
+     "(DTYPE_EPS > 0, anything else 0.0), so the first non-None dtype replaces it either way"),
+    (_TOL, _exact("Tolerance(1.0, self.rtol, self.atol)  # both-or-neither check"),
+     "the Tolerance is made only to check rtol/atol and dropped: rel_l2 0.0 and 1.0 are both "
+     "valid"),
+    (_TOL, r"^\s*pass$", "from_options' own both-or-neither check: cls(...) on the next lines"
+     " raises the same UserError (same text, exit 2) first (float(rel_l2) aside, a float by "
+     "signature)", r"if \(rtol is None\) != \(atol is None\):\n\s*raise UserError\(\"give "
+     r"--rtol"),
+    (_TOL, _exact("if (not pattern or not rhs):"), "str.rpartition returns ('', '', s) "
+     "when there is no '=': no sep means no pattern too"),
+    (_TOL, r"^\s*pass$", "unreachable: vals is never empty (rhs is not, and each part adds a "
+     "field or raises), and without rel_l2 it holds rtol and atol (checked just above), so rtol"
+     " is set", r"if \"rel_l2\" not in vals and rtol is None:"),
+    (_TOL, _exact('rel = vals.get("rel_l2", math.inf if "rel_l2" not in vals else 1.0)'),
+     "the fallback's else branch is never taken: vals.get uses the fallback only when rel_l2 "
+     "is not in vals, where it is math.inf"),
 )
 
 
