@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from accucheck.compare.metrics import DTYPE_EPS
+from accucheck.compare.metrics import DTYPE_EPS, tensor_metrics
 from accucheck.compare.tolerances import (DEFAULT_REL_L2, Tolerance, ToleranceTable,
                                           loosest_dtype, parse_override)
 from accucheck.errors import EXIT_USAGE, UserError
@@ -136,3 +137,19 @@ def test_from_options_builds_the_table_it_was_given():
     assert t.overrides == (("*.mlp", Tolerance(1e-1, 1e-3, 1e-6, "override *.mlp")),)
     plain = ToleranceTable.from_options()
     assert plain == ToleranceTable() and dict(plain.by_dtype) == DEFAULT_REL_L2
+
+
+def test_within_answers_a_bool_for_each_rule():
+    """within() is written to JSON and csv as it is: False, never a falsy None."""
+    a = np.linspace(1, 2, 100)
+    b = a.copy()
+    b[3] = np.nan
+    nan = tensor_metrics(a, b)
+    assert Tolerance(1.0).within(nan) is False                      # NaN position differs
+    far = tensor_metrics(a, a * (1 + 1e-3))
+    assert Tolerance(1e-4).within(far) is False                     # rel_l2 over the limit
+    assert Tolerance(1e-2).within(far) is True
+    ew = tensor_metrics(a, a * (1 + 1e-3), rtol=1e-4, atol=0.0)
+    assert Tolerance(1e-2, rtol=1e-4, atol=0.0).within(ew) is False  # elementwise
+    assert Tolerance(1e-2, rtol=1e-2, atol=0.0).within(
+        tensor_metrics(a, a * (1 + 1e-3), rtol=1e-2, atol=0.0)) is True
