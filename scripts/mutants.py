@@ -63,7 +63,8 @@ DEFAULT_MODULES = ("accucheck/verdict/locate.py", "accucheck/verdict/types.py",
 # A module not listed here runs tests/test_<name>.py.
 TESTS: dict[str, tuple[str, ...]] = {
     "accucheck/compare/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
-    "accucheck/compare/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
+    "accucheck/compare/tolerances.py": ("tests/test_tolerance_rules.py",
+                                        "tests/test_tolerances.py", "tests/test_diff.py",
                                         "tests/test_cli_diff.py"),
     "accucheck/compare/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
     "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py",
@@ -71,14 +72,16 @@ TESTS: dict[str, tuple[str, ...]] = {
                                   "tests/test_golden.py"),
     "accucheck/verdict/locate.py": ("tests/test_locate.py", "tests/test_report.py",
                                     "tests/test_cli_diff.py"),
-    "accucheck/verdict/types.py": ("tests/test_locate.py", "tests/test_report.py",
-                                   "tests/test_cli_diff.py"),
+    "accucheck/verdict/types.py": ("tests/test_verdict_mutants.py", "tests/test_locate.py",
+                                   "tests/test_report.py", "tests/test_cli_diff.py"),
     "accucheck/verdict/culprit.py": ("tests/test_locate.py", "tests/test_report.py",
                                      "tests/test_ops.py", "tests/test_shadow.py"),
-    "accucheck/signoff/run.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
-                                 "tests/test_scenario.py"),
-    "accucheck/report/signoff_result.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py"),
-    "accucheck/report/diff.py": ("tests/test_report.py", "tests/test_cli_diff.py",
+    "accucheck/signoff/run.py": ("tests/test_signoff_checks.py", "tests/test_signoff_rules.py",
+                                 "tests/test_signoff.py", "tests/test_scenario.py"),
+    "accucheck/report/signoff_result.py": ("tests/test_signoff_result.py",
+                                           "tests/test_signoff_rules.py", "tests/test_signoff.py"),
+    "accucheck/report/diff.py": ("tests/test_report_render.py", "tests/test_verdict_mutants.py",
+                                 "tests/test_report.py", "tests/test_cli_diff.py",
                                  "tests/test_readme.py"),
 }
 
@@ -99,6 +102,8 @@ _OPMATCH = "accucheck/compare/opmatch.py"
 _LOCATE = "accucheck/verdict/locate.py"
 _CULPRIT = "accucheck/verdict/culprit.py"
 _TOL = "accucheck/compare/tolerances.py"
+_SRES = "accucheck/report/signoff_result.py"
+_RDIFF = "accucheck/report/diff.py"
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_METRICS, r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
     (_METRICS, r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
@@ -225,6 +230,19 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_TOL, _exact('rel = vals.get("rel_l2", math.inf if "rel_l2" not in vals else 1.0)'),
      "the fallback's else branch is never taken: vals.get uses the fallback only when rel_l2 "
      "is not in vals, where it is math.inf"),
+    (_SRES, r'return "inf" if \(?x (>= 0\)|> 1) else "-inf"$', "x is +-inf here (math.isinf "
+     "just above): x > 0, x >= 0 and x > 1 agree on it"),
+    (_SRES, r"^\s*pass$", "f'{inf:.2e}' is 'inf' and f'{-inf:.2e}' '-inf': the general path "
+     "formats an infinity the same", r'if math\.isinf\(x\):\n\s*return "inf" if x > 0 else'),
+    (_SRES, r"^\s*pass$", "f'{nan:.2e}' is 'nan' (nan == 0 and 1e-3 <= nan are False): the "
+     "general path formats it the same", r'if math\.isnan\(x\):\n\s*return "nan"$'),
+    (_RDIFF, r'return "inf" if \(?x (>= 0\)|> 1) else "-inf"$', "x is +-inf here (math.isinf "
+     "just above): x > 0, x >= 0 and x > 1 agree on it"),
+    (_RDIFF, r"^\s*pass$", "f'{inf:.2e}' is 'inf' and f'{-inf:.2e}' '-inf': the general path "
+     "formats an infinity the same", r'if isinstance\(x, float\) and math\.isinf\(x\):\n'
+     r'\s*return "inf" if x > 0 else'),
+    (_RDIFF, _exact("if (math.isinf(x)):"), "_g's isinstance test only keeps ints away from "
+     "math.isinf, which takes them and answers False: an int is never infinite"),
 )
 
 
