@@ -241,6 +241,18 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_RDIFF, r"^\s*pass$", "f'{inf:.2e}' is 'inf' and f'{-inf:.2e}' '-inf': the general path "
      "formats an infinity the same", r'if isinstance\(x, float\) and math\.isinf\(x\):\n'
      r'\s*return "inf" if x > 0 else'),
+    (_RDIFF, r'else \("inf" if \(?x (>= 0\)|> 1) else "-inf"\)$', "x is +-inf here (a "
+     "non-finite float that is not NaN): x > 0, x >= 0 and x > 1 agree on it"),
+    (_RDIFF, r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division guard differs "
+     "only for tolerances below 2e-300 (a zero tolerance is tested)"),
+    (_RDIFF, _exact("if (len(layers) >= MAX_CURVE_ROWS):"), "at exactly MAX_CURVE_ROWS layers "
+     "the thinning step is ceil(1) = 1: every layer is kept either way"),
+    (_RDIFF, _exact("ref = sum((not r.within_tolerance) for r in d.records)"), "counted only "
+     "when every record is within: a record within but not within its tolerance is one the "
+     "golden referee judged (RecordDiff.within), so `refereed` is implied"),
+    (_RDIFF, _exact('largest = "" if (wo.key == fo.key) else \\'), "the diffuse branch has "
+     "first_over set, and locate sets worst whenever first_over is (both from the same "
+     "non-empty list of records over tolerance)"),
     (_RDIFF, _exact("if (math.isinf(x)):"), "_g's isinstance test only keeps ints away from "
      "math.isinf, which takes them and answers False: an int is never infinite"),
 )

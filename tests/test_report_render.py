@@ -92,10 +92,12 @@ def test_pass_line_names_the_worst_record_relative_to_its_tolerance():
 def test_pass_line_counts_refereed_records_near_tie_flips_and_suspicious():
     d = D().add(E0).add(A, 0.5, src={"0": "e#0:out.0"}, golden="ref worse")
     d.add("r0.s0:b#0:out.0", 0.2, src={"0": "a#0:out.0"}, golden="both within noise")
-    d.add("r0.s0:c#0:out.0", 5e-3, src={"0": "b#0:out.0"})
+    # refereed too, but within its tolerance anyway: not one of those the referee let pass
+    d.add("r0.s0:c#0:out.0", 5e-3, src={"0": "b#0:out.0"}, golden="both within noise")
     a = d.analysis(golden_path="g.h5")
     s = Suspicious(RecordKey.parse(A), 0.5, 0.4, 12.5, 1.25, 3, "a#0:out.0", 1e-2, True)
-    a = _with(a, diff=dict(first_flip=_flip(True, req=1, step=2)), suspicious=(s, s))
+    s2 = dataclasses.replace(s, key=RecordKey.parse("r0.s0:b#0:out.0"), gain=7.0)
+    a = _with(a, diff=dict(first_flip=_flip(True, req=1, step=2)), suspicious=(s, s2))
     assert verdict_line(a) == (
         "PASS: 4 records within tolerance; worst rel_l2 0.5 at r0.s0:a#0:out.0 (tolerance 0.01)"
         "; 2 over tolerance judged no worse than the reference by the golden referee"
@@ -168,9 +170,9 @@ def test_fail_line_only_inputs_or_only_a_token():
 def test_json_fields_of_a_failing_analysis():
     d = _fail()
     d.add("r0.s0:b#0:out.0", 0.3, src={"0": "a#0:out.0"}, golden="both within noise")
-    a = d.analysis(golden_path="g.h5", compute=("float32", "float32"))
+    a = d.analysis(golden_path="g.h5", compute=("float32", "bfloat16"))
     a = _with(a, diff=dict(missing=(MissingKey("r0.s0:z#0:out.0", "cand"),), skipped=4,
-                           compared_steps=((0, 2), (1, -1)), notes=("note one",)))
+                           compared_steps=((0, 2), (1, -1), (2, 0)), notes=("note one",)))
     j = to_json(a)
     assert (j["schema"], j["schema_version"], j["verdict"], j["exit_code"]) == (
         "accucheck.diff", 1, "fail", 1)
@@ -179,7 +181,8 @@ def test_json_fields_of_a_failing_analysis():
                                                                    ["note one"])
     # b is over its tolerance, but the golden referee judges it no worse: not counted
     assert j["counts"] == {"compared": 3, "over_tolerance": 1, "missing": 1, "skipped": 4}
-    assert j["compared_steps"] == [{"req": 0, "last_step": 2}, {"req": 1, "last_step": None}]
+    assert j["compared_steps"] == [{"req": 0, "last_step": 2}, {"req": 1, "last_step": None},
+                                   {"req": 2, "last_step": 0}]   # -1: every step compared
     assert j["missing"] == [{"key": "r0.s0:z#0:out.0", "only_in": "cand"}]
     fd = j["first_divergence"]
     assert (fd["key"], fd["cause"], fd["rel_l2"], fd["input_rel_l2"], fd["amplification"],
@@ -192,7 +195,7 @@ def test_json_fields_of_a_failing_analysis():
         {"key": "r0.s0:b#0:out.0", "req": 0, "step": 0, "module": "b", "call": 0, "op": None,
          "op_index": None, "role": "out", "slot": "0", "label": "both within noise",
          "ref_rmse": 1.0, "cand_rmse": 1.0, "multiplier": 2.0}]}
-    assert j["compute_dtypes"] == {"ref": "float32", "cand": "float32"}
+    assert j["compute_dtypes"] == {"ref": "float32", "cand": "bfloat16"}
     assert j["top"] == [A] and j["culprit"]["module"] == "a" and j["ops"] is None
     r = j["records"][1]
     assert (r["key"], r["req"], r["step"], r["module"], r["call"], r["op"], r["role"],
@@ -299,7 +302,11 @@ def test_render_dispatches_and_refuses_unknown_formats():
     a = _fail().analysis()
     assert render(a) == to_text(a) and render(a, "table") == to_text(a)
     assert render(a, "md") == to_text(a, md=True)
-    assert render(a, "json").endswith("}\n")
+    text = render(a, "json")
+    # one-space indent, the schema's own key order (schema first, as docs/diff-json.md lists)
+    assert text.splitlines()[:3] == ['{', ' "schema": "accucheck.diff",',
+                                     ' "schema_version": 1,'] and text.endswith("}\n")
+    assert json.loads(text) == to_json(a)
     with pytest.raises(ValueError) as e:
         render(a, "xml")
     assert str(e.value) == "unknown format 'xml': use one of table, json, csv, md"
@@ -486,7 +493,7 @@ def test_logits_table_per_step_first_eight_steps():
         return LogitsStep(RecordKey.parse(f"r{req}.s{st}:logits#0:out.0"), tuple(
             LogitsPosition(i, kl, 1, 1 if ok else 2, 0.8 - 0.2 * i, 1.0, 0.1)
             for i, (kl, ok) in enumerate(zip(kls, agree))))
-    logits = (step(0, 0, [0.5, 2.0], [True, False]), step(1, 0, [0.25], [True]),
+    logits = (step(0, 0, [0.5, 2.0], [True, False]), step(1, 0, [7e-4], [True]),
               step(0, 1, [0.0], [True]), step(0, 2, [], []))
     d = dataclasses.replace(_pass().diff(), logits=logits)
     lines = _logits_table(d, "simple").splitlines()
@@ -506,3 +513,14 @@ def test_logits_table_per_step_first_eight_steps():
     assert _logits_table(only, "simple") == (
         "first token flip: request 0 step 1 position 5 (generated): ref 11 vs cand 12, no "
         "logits stored to tell a near-tie from a real flip (capture with --store full)")
+
+
+def test_tables_keep_the_report_number_format():
+    """The cells are written as _g formats them (tabulate must not re-parse "7.00e-04")."""
+    lines = to_text(D().add(E0, 7e-4).analysis()).splitlines()
+    assert [ln.split() for ln in lines if ln.startswith("r0.")] == [
+        ["r0.s0:e#0:out.0", "ok", "7.00e-04", "-", "7.00e-04", "1", "7.00e-04", "-", "0.01"]]
+    d = dataclasses.replace(_pass().diff(), logits=(LogitsStep(
+        RecordKey.parse("r0.s0:logits#0:out.0"), (LogitsPosition(0, 7e-4, 1, 1, 0.5, 1.0, 0.1),)),))
+    assert _logits_table(d, "simple").splitlines()[2].split() == ["0", "1", "7.00e-04", "1/1",
+                                                                  "0.5"]
