@@ -253,6 +253,13 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_RDIFF, _exact('largest = "" if (wo.key == fo.key) else \\'), "the diffuse branch has "
      "first_over set, and locate sets worst whenever first_over is (both from the same "
      "non-empty list of records over tolerance)"),
+    (_RDIFF, r'^\s*(str\(r\.key\), r\.key\.req, r\.key\.step, r\.key\.module, \(r\.key\.op\), '
+     r'r\.key\.role,|\(loc\.cause\), r\.error,|"" if \(m is None\) else m\.max_ulp,)$',
+     "csv.writer writes None as the empty string: `x or \"\"` and a None max_ulp give the same "
+     "cell"),
+    (_RDIFF, _exact('row = [str(r.key), "ok" if r.within else ((loc.cause)),'), "locate "
+     "sets a record's cause to None exactly when it is within (locate._locate_record): the "
+     "`or \"over\"` fallback is never taken"),
     (_RDIFF, _exact("if (math.isinf(x)):"), "_g's isinstance test only keeps ints away from "
      "math.isinf, which takes them and answers False: an int is never infinite"),
 )

@@ -396,6 +396,9 @@ def test_text_suspicious_and_precision_findings_are_capped_at_eight():
                         records=a.location.records[:10])).splitlines()
     assert sum(x.startswith("PRECISION: ") for x in few) == 8 and not any(
         x.startswith("... ") for x in few)
+    nine = to_text(_with(a, diff=dict(records=a.diff.records[:11]),
+                         records=a.location.records[:11])).splitlines()
+    assert nine[nine.index("Precision findings") + 9] == "... 1 more (--format json)"
     assert "Suspicious (noise floor)" not in to_text(a)
 
 
@@ -524,3 +527,15 @@ def test_tables_keep_the_report_number_format():
         RecordKey.parse("r0.s0:logits#0:out.0"), (LogitsPosition(0, 7e-4, 1, 1, 0.5, 1.0, 0.1),)),))
     assert _logits_table(d, "simple").splitlines()[2].split() == ["0", "1", "7.00e-04", "1/1",
                                                                   "0.5"]
+
+
+def test_rest_rows_rank_by_error_over_their_own_tolerance():
+    """s#0 introduces the error; x, y, z, q inherit it with their own tolerances: ranked by
+    error / tolerance (z 2, x 0.8, y 0.06, q 0 with a zero tolerance), not by error."""
+    d = D().add("r0.s0:s#0:out.0", 1.0)
+    for name, err, tol in (("x", 4e-3, 5e-3), ("y", 6e-3, 0.1), ("z", 2e-3, 1e-3), ("q", 0.0, 0.0)):
+        d.add(f"r0.s0:{name}#0:out.0", err, tol=tol, src={"0": "s#0:out.0"})
+    lines = to_text(d.analysis()).splitlines()
+    assert [ln.split()[0] for ln in lines if ln.startswith("r0.")] == [
+        "r0.s0:s#0:out.0", "r0.s0:z#0:out.0", "r0.s0:x#0:out.0", "r0.s0:y#0:out.0",
+        "r0.s0:q#0:out.0"]
