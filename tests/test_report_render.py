@@ -489,6 +489,11 @@ def test_text_has_the_curve_and_logits_sections_only_with_data():
     assert lg[i + 1] == ("first token flip: request 0 step 1 position 5 (generated): ref 11 vs "
                          "cand 12, reference margin 0.1 vs logit noise 0.2: a near-tie")
     assert "Logits" not in to_text(a).splitlines()
+    step = LogitsStep(RecordKey.parse("r0.s0:logits#0:out.0"),
+                      (LogitsPosition(0, 0.5, 1, 1, 0.5, 1.0, 0.1),))
+    agree = to_text(_with(a, diff=dict(logits=(step,)))).splitlines()   # logits, no flip
+    assert agree[agree.index("Logits") + 1].split()[:2] == ["step", "positions"]
+    assert agree[-1] == "first token flip: none"
 
 
 def test_logits_table_per_step_first_eight_steps():
