@@ -49,9 +49,10 @@ def _req(*ids):
 def test_token_stats_from_logits_counts_each_steps_generating_position():
     a = D().add(E0).analysis()
     steps = (_logits(0, 0, _pos(0, 0.0, False), _pos(1, 0.0, True)),    # last agrees
-             _logits(0, 1, _pos(0, 0.0, True), _pos(1, 0.0, False)),    # last differs
+             _logits(0, 1, _pos(0, 0.0, True), _pos(1, 0.0, True)),
+             _logits(0, 2, _pos(0, 0.0, True), _pos(1, 0.0, False)),    # last differs
              _logits(1, 0, _pos(0, 0.0, True)), _logits(1, 1))           # no positions
-    assert token_stats(_with(a, diff=dict(logits=steps)), [], []) == (2, 3)
+    assert token_stats(_with(a, diff=dict(logits=steps)), [], []) == (3, 4)
 
 
 def test_token_stats_from_generated_ids_over_the_shorter_run():
@@ -69,14 +70,14 @@ def test_headline_numbers():
              LayerPoint(0, 1, 0, k, 0.125, 0.875, True))
     logits = (_logits(0, 0, _pos(0, 0.5, True), _pos(1, 2.5, False)),
               _logits(0, 1, _pos(0, 1.5, True)))
-    flips = (_flip(True), _flip(False), _flip(None), _flip(True, step=2))
+    flips = (_flip(True), _flip(False), _flip(None))
     a = _with(a, diff=dict(logits=logits, flips=flips), curve=curve)
     m = headline(a, (3, 4))
     assert m.as_dict() == {
         "records_compared": 2, "records_over_tolerance": 1, "missing_keys": 0,
         "basis": "tensor", "max_layer_rel_l2": 0.75, "min_layer_cosine": 0.5,
         "max_logits_kl": 2.5, "top1_agreement": 2 / 3, "logits_positions": 3,
-        "token_agreement": 0.75, "tokens_compared": 4, "near_tie_flips": 2, "real_flips": 2}
+        "token_agreement": 0.75, "tokens_compared": 4, "near_tie_flips": 1, "real_flips": 2}
     empty = headline(D().add(E0).analysis(), (0, 0))
     assert (empty.max_layer_rel_l2, empty.min_layer_cosine, empty.max_logits_kl,
             empty.top1_agreement, empty.token_agreement, empty.logits_positions) == (
