@@ -186,6 +186,11 @@ def test_golden_referee_passes_a_failed_layer_or_logits_threshold_it_judged_no_w
     assert [c[n].passed for n in ("layer_rel_l2", "layer_cosine", "logits_kl",
                                   "top1_agreement")] == [False, False, True, True]
     assert c["layer_rel_l2"].detail == "max layer rel_l2 0.001 > 1.00e-04"
+    # the referee never touches the records check, nor a threshold check that passed
+    assert c["records"].passed is False
+    ok = _checks(_refereed_case(["ref worse"] * 3), replace(thr, layer_rel_l2=1e-2), **m)
+    assert (ok["layer_rel_l2"].passed, ok["layer_rel_l2"].detail) == (
+        True, "max layer rel_l2 0.001 <= 0.01")
     # a layer the referee did not judge (n/a): no say
     c = _checks(_refereed_case(["n/a", "both within noise", "cand worse"]), thr, **m)
     assert [c[n].passed for n in ("layer_rel_l2", "logits_kl")] == [False, False]
@@ -240,3 +245,16 @@ def test_previous_report_from_another_scenario_is_noted(tmp_path):
     assert [i.metric for i in same.items] == [
         "max_layer_rel_l2", "max_logits_kl", "records_over_tolerance", "real_flips",
         "near_tie_flips", "top1_agreement", "token_agreement", "min_layer_cosine"]
+
+
+def test_regression_check_names_only_the_worse_metrics():
+    from accucheck.report.signoff_result import Regression, RegressionItem
+
+    a = D().add(E0).analysis()
+    reg = Regression("prev.json", "worse", (RegressionItem("max_logits_kl", 1.0, 2.0, "worse"),
+                                            RegressionItem("real_flips", 0, 0, "same"),
+                                            RegressionItem("token_agreement", 0.5, 0.4,
+                                                           "worse")))
+    c = judge(SCN, a, headline(a, (0, 0)), reg)[-1]
+    assert (c.name, c.passed, c.value, c.detail) == (
+        "regression", False, 2, "worse than last release (max_logits_kl, token_agreement)")
