@@ -63,7 +63,8 @@ DEFAULT_MODULES = ("accucheck/verdict/locate.py", "accucheck/verdict/types.py",
 # A module not listed here runs tests/test_<name>.py.
 TESTS: dict[str, tuple[str, ...]] = {
     "accucheck/compare/metrics.py": ("tests/test_metrics.py", "tests/test_diff.py"),
-    "accucheck/compare/tolerances.py": ("tests/test_tolerances.py", "tests/test_diff.py",
+    "accucheck/compare/tolerances.py": ("tests/test_tolerance_rules.py",
+                                        "tests/test_tolerances.py", "tests/test_diff.py",
                                         "tests/test_cli_diff.py"),
     "accucheck/compare/opmatch.py": ("tests/test_opmatch.py", "tests/test_ops.py"),
     "accucheck/compare/diff.py": ("tests/test_diff.py", "tests/test_metrics.py",
@@ -71,14 +72,16 @@ TESTS: dict[str, tuple[str, ...]] = {
                                   "tests/test_golden.py"),
     "accucheck/verdict/locate.py": ("tests/test_locate.py", "tests/test_report.py",
                                     "tests/test_cli_diff.py"),
-    "accucheck/verdict/types.py": ("tests/test_locate.py", "tests/test_report.py",
-                                   "tests/test_cli_diff.py"),
+    "accucheck/verdict/types.py": ("tests/test_verdict_mutants.py", "tests/test_locate.py",
+                                   "tests/test_report.py", "tests/test_cli_diff.py"),
     "accucheck/verdict/culprit.py": ("tests/test_locate.py", "tests/test_report.py",
                                      "tests/test_ops.py", "tests/test_shadow.py"),
-    "accucheck/signoff/run.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py",
-                                 "tests/test_scenario.py"),
-    "accucheck/report/signoff_result.py": ("tests/test_signoff_rules.py", "tests/test_signoff.py"),
-    "accucheck/report/diff.py": ("tests/test_report.py", "tests/test_cli_diff.py",
+    "accucheck/signoff/run.py": ("tests/test_signoff_checks.py", "tests/test_signoff_rules.py",
+                                 "tests/test_signoff.py", "tests/test_scenario.py"),
+    "accucheck/report/signoff_result.py": ("tests/test_signoff_result.py",
+                                           "tests/test_signoff_rules.py", "tests/test_signoff.py"),
+    "accucheck/report/diff.py": ("tests/test_report_render.py", "tests/test_verdict_mutants.py",
+                                 "tests/test_report.py", "tests/test_cli_diff.py",
                                  "tests/test_readme.py"),
 }
 
@@ -98,6 +101,9 @@ _METRICS = "accucheck/compare/metrics.py"
 _OPMATCH = "accucheck/compare/opmatch.py"
 _LOCATE = "accucheck/verdict/locate.py"
 _CULPRIT = "accucheck/verdict/culprit.py"
+_TOL = "accucheck/compare/tolerances.py"
+_SRES = "accucheck/report/signoff_result.py"
+_RDIFF = "accucheck/report/diff.py"
 EQUIVALENT: tuple[tuple[str, ...], ...] = (
     (_METRICS, r'"float64": (4\.44|1\.11)\d*e-16, "float32"', _RANK),
     (_METRICS, r'"float32": (2\.38|5\.96)\d*e-0[78], "float16"', _RANK),
@@ -207,6 +213,55 @@ EQUIVALENT: tuple[tuple[str, ...], ...] = (
      "an op ident holds one '@' (module paths and op names have none)"),
     (_CULPRIT, r"^\s*pass$", "f'{inf:.2e}' is 'inf' too",
      r"if math\.isinf\(x\):\n\s*return \"inf\"$"),
+    (_TOL, r'best, eps = "int64", \(-(2\.0|0\.5)\)$', "a negative start: every eps is >= 0 "
+     "(DTYPE_EPS > 0, anything else 0.0), so the first non-None dtype replaces it either way"),
+    (_TOL, _exact("Tolerance(1.0, self.rtol, self.atol)  # both-or-neither check"),
+     "the Tolerance is made only to check rtol/atol and dropped: rel_l2 0.0 and 1.0 are both "
+     "valid"),
+    (_TOL, r"^\s*pass$", "from_options' own both-or-neither check: cls(...) on the next lines"
+     " raises the same UserError (same text, exit 2) first (float(rel_l2) aside, a float by "
+     "signature)", r"if \(rtol is None\) != \(atol is None\):\n\s*raise UserError\(\"give "
+     r"--rtol"),
+    (_TOL, _exact("if (not pattern or not rhs):"), "str.rpartition returns ('', '', s) "
+     "when there is no '=': no sep means no pattern too"),
+    (_TOL, r"^\s*pass$", "unreachable: vals is never empty (rhs is not, and each part adds a "
+     "field or raises), and without rel_l2 it holds rtol and atol (checked just above), so rtol"
+     " is set", r"if \"rel_l2\" not in vals and rtol is None:"),
+    (_TOL, _exact('rel = vals.get("rel_l2", math.inf if "rel_l2" not in vals else 1.0)'),
+     "the fallback's else branch is never taken: vals.get uses the fallback only when rel_l2 "
+     "is not in vals, where it is math.inf"),
+    (_SRES, r'return "inf" if \(?x (>= 0\)|> 1) else "-inf"$', "x is +-inf here (math.isinf "
+     "just above): x > 0, x >= 0 and x > 1 agree on it"),
+    (_SRES, r"^\s*pass$", "f'{inf:.2e}' is 'inf' and f'{-inf:.2e}' '-inf': the general path "
+     "formats an infinity the same", r'if math\.isinf\(x\):\n\s*return "inf" if x > 0 else'),
+    (_SRES, r"^\s*pass$", "f'{nan:.2e}' is 'nan' (nan == 0 and 1e-3 <= nan are False): the "
+     "general path formats it the same", r'if math\.isnan\(x\):\n\s*return "nan"$'),
+    (_RDIFF, r'return "inf" if \(?x (>= 0\)|> 1) else "-inf"$', "x is +-inf here (math.isinf "
+     "just above): x > 0, x >= 0 and x > 1 agree on it"),
+    (_RDIFF, r"^\s*pass$", "f'{inf:.2e}' is 'inf' and f'{-inf:.2e}' '-inf': the general path "
+     "formats an infinity the same", r'if isinstance\(x, float\) and math\.isinf\(x\):\n'
+     r'\s*return "inf" if x > 0 else'),
+    (_RDIFF, r'else \("inf" if \(?x (>= 0\)|> 1) else "-inf"\)$', "x is +-inf here (a "
+     "non-finite float that is not NaN): x > 0, x >= 0 and x > 1 agree on it"),
+    (_RDIFF, r"max\(r\.tolerance\.rel_l2, (2e-300|5e-301)\)", "the division guard differs "
+     "only for tolerances below 2e-300 (a zero tolerance is tested)"),
+    (_RDIFF, _exact("if (len(layers) >= MAX_CURVE_ROWS):"), "at exactly MAX_CURVE_ROWS layers "
+     "the thinning step is ceil(1) = 1: every layer is kept either way"),
+    (_RDIFF, _exact("ref = sum((not r.within_tolerance) for r in d.records)"), "counted only "
+     "when every record is within: a record within but not within its tolerance is one the "
+     "golden referee judged (RecordDiff.within), so `refereed` is implied"),
+    (_RDIFF, _exact('largest = "" if (wo.key == fo.key) else \\'), "the diffuse branch has "
+     "first_over set, and locate sets worst whenever first_over is (both from the same "
+     "non-empty list of records over tolerance)"),
+    (_RDIFF, r'^\s*(str\(r\.key\), r\.key\.req, r\.key\.step, r\.key\.module, \(r\.key\.op\), '
+     r'r\.key\.role,|\(loc\.cause\), r\.error,|"" if \(m is None\) else m\.max_ulp,)$',
+     "csv.writer writes None as the empty string: `x or \"\"` and a None max_ulp give the same "
+     "cell"),
+    (_RDIFF, _exact('row = [str(r.key), "ok" if r.within else ((loc.cause)),'), "locate "
+     "sets a record's cause to None exactly when it is within (locate._locate_record): the "
+     "`or \"over\"` fallback is never taken"),
+    (_RDIFF, _exact("if (math.isinf(x)):"), "_g's isinstance test only keeps ints away from "
+     "math.isinf, which takes them and answers False: an int is never infinite"),
 )
 
 

@@ -10,7 +10,7 @@ import pytest
 import diffcases
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
-from accucheck.compare.metrics import tensor_metrics
+from accucheck.compare.metrics import DTYPE_EPS, tensor_metrics
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, GOLDEN_MULTIPLIER,
                                           NOISE_FLOOR_FACTOR, NOISE_FLOOR_MIN_FRACTION,
                                           NOISE_FLOOR_MIN_PEERS, NOISE_FLOOR_WINDOW, Tolerance,
@@ -24,8 +24,9 @@ def _documented() -> dict:
     """The numbers the README and docs/diff-json.md promise, parsed from their text: a change
     on either side (code or documentation) alone fails the tests below."""
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    m = re.search(r"\(float32 ([0-9.e+-]+), float16 ([0-9.e+-]+), bfloat16 ([0-9.e+-]+);", readme)
+    m = re.search(r"compute dtypes \((float32 [^;]*), integer / bool exact;", readme)
     assert m, "README no longer states the dtype tolerances"
+    rows = {d: float(v) for d, v in (r.split() for r in m.group(1).split(", "))}
     amp = re.search(r'"introduced" when its error is more than ([0-9.]+)x the error', readme)
     assert amp, "README no longer states the amplification threshold"
     doc = " ".join((ROOT / "docs" / "diff-json.md").read_text(encoding="utf-8").split())
@@ -41,8 +42,7 @@ def _documented() -> dict:
                    readme)
     assert nf, "README no longer states the noise-floor rule"
     assert float(nf.group(1)) == float(amp.group(1))
-    return {"float32": float(m.group(1)), "float16": float(m.group(2)),
-            "bfloat16": float(m.group(3)), "amplification": float(amp.group(1)),
+    return {**rows, "amplification": float(amp.group(1)),
             "golden_32": float(g.group(1)), "golden_16": float(g.group(2)),
             "noise_factor": float(nf.group(2)), "noise_window": int(nf.group(3)),
             "noise_min_peers": int(nf.group(4)), "noise_min_fraction": float(nf.group(5)) / 100}
@@ -52,13 +52,15 @@ DOC = _documented()
 
 
 def test_documented_constants_are_the_code_constants():
-    assert DOC == {"float32": 5e-5, "float16": 1e-2, "bfloat16": 5e-2, "amplification": 4.0,
+    assert DOC == {"float32": 5e-5, "float16": 1e-2, "bfloat16": 5e-2, "float64": 1e-10,
+                   "float8_e4m3fn": 0.25, "float8_e5m2": 0.4, "amplification": 4.0,
                    "golden_32": 2.0, "golden_16": 3.0, "noise_factor": 5.0, "noise_window": 4,
                    "noise_min_peers": 3, "noise_min_fraction": 0.05}
     assert (NOISE_FLOOR_FACTOR, NOISE_FLOOR_WINDOW, NOISE_FLOOR_MIN_PEERS) == \
         (DOC["noise_factor"], DOC["noise_window"], DOC["noise_min_peers"])
     assert NOISE_FLOOR_MIN_FRACTION == pytest.approx(DOC["noise_min_fraction"], rel=1e-12)
-    for d in ("float32", "float16", "bfloat16"):
+    assert set(DEFAULT_REL_L2) == set(DTYPE_EPS)   # every float dtype has a documented row
+    for d in DEFAULT_REL_L2:
         assert DEFAULT_REL_L2[d] == DOC[d], d
         assert ToleranceTable().for_record(K, (d, d)).rel_l2 == DOC[d], d
     assert DEFAULT_AMPLIFICATION == DOC["amplification"]

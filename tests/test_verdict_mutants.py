@@ -15,6 +15,7 @@ from accucheck.compare.diff import DiffResult, GoldenLabel, RecordDiff
 from accucheck.keys import RecordKey
 from accucheck.verdict.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
                                       locate, noise_floor)
+from accucheck.verdict.types import LayerPoint
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.opmatch import OneSided, OpAlignment
 from accucheck.compare.tolerances import Tolerance
@@ -108,6 +109,20 @@ def test_diffuse_needs_records_over_and_no_first_divergence():
     assert [loc(None, None), loc(None, dv), loc(dv, dv), loc(dv, None)] == \
         [False, True, False, False]
 
+
+
+def test_verdict_records_are_frozen():
+    """The verdict's records are shared by locate, culprit and the reports: none can be
+    changed after it is made."""
+    k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
+    dv = Divergence(k, "introduced", 1.0, None, (), TOL, "tensor", None, ())
+    records = [(RecordLocation(k, 2.0, None, (), False, "introduced", 2.0), "error"),
+               (dv, "error"), (LayerPoint(0, 0, 0, k, 1.0, None, False), "rel_l2"),
+               (Location(dv, (), (), (), 4.0), "amplification")]
+    for rec, name in records:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(rec, name, 0.5)
+        assert getattr(rec, name) != 0.5
 
 # ----------------------------------------------------------------- locate: verdict lists
 
