@@ -320,3 +320,38 @@ def test_a_differing_rank_copy_is_compared_under_its_own_key(tmp_path):
     assert note.startswith("RANKS DISAGREE in cand: 1 replicated tensors differ between "
                            "tensor-parallel ranks (first: r0.s0:model.layers.1.mlp#0:out.0, "
                            "rank 1 vs rank 0, rel_l2 0.5)")
+
+
+def test_disagreement_sizes_at_the_edges():
+    from accucheck.capture.ranks import _rel_l2
+
+    z, nz = rec("o", 0, [0.0, 0.0]), rec("o", 1, [-0.0, 0.0])
+    assert z.checksum != nz.checksum  # -0.0 and 0.0 differ in their bits ...
+    [d] = merge_ranks({0: [z], 1: [nz]}, KINDS, 2).disagreements
+    assert d["rel_l2"] == 0.0  # ... not in value
+    assert _rel_l2(z, rec("o", 1, [0.0, 1e-30])) == float("inf")  # from zero to anything
+    assert _rel_l2(rec("o", 0, [1.0, 2.0]), rec("o", 1, [1.0, np.inf])) == float("inf")
+    assert _rel_l2(rec("o", 0, [np.nan, 2.0]), rec("o", 1, [1.0, 2.0])) == float("inf")
+    assert _rel_l2(rec("o", 0, [1.0, 2.0]), rec("o", 1, [[1.0, 2.0]])) is None
+    assert _rel_l2(rec("o", 0, [3.0, 4.0]), rec("o", 1, [3.0, 4.0])) == 0.0
+    a, b = rec("o", 0, [0.0], data=False), rec("o", 1, [0.0], data=False)
+    assert _rel_l2(a, b) == 0.0
+
+
+def test_coverage_lists_the_first_ten_missing():
+    cov = coverage(_sites([0], 1, 1, ["a"]) + [(0, 0, 0, f"m{i:02d}#0:out.0") for i in range(30)],
+                   2, 1)
+    assert cov["missing"]["count"] == 31 and len(cov["missing"]["first"]) == 10
+    assert cov["missing"]["first"][0] == "rank 0 r1.s0:a#0:out.0"
+
+
+def test_a_prefill_only_site_missing_in_one_request_is_found():
+    # prefill records a mask module that decode steps do not run; request 1 lacks it
+    got = [(0, 0, 0, "a#0:out.0"), (0, 0, 0, "mask#0:out.0"), (0, 1, 0, "a#0:out.0")]
+    got += [(0, q, s, "a#0:out.0") for q in range(2) for s in (1, 2)]
+    cov = coverage(got, 2, 3)
+    assert not cov["ok"] and cov["missing"]["first"] == ["rank 0 r1.s0:mask#0:out.0"]
+
+
+def test_sites_of_is_rank_zero_by_default():
+    assert sites_of(["r0.s0:model.a#0:out.0"]) == [(0, 0, 0, "model.a#0:out.0")]
