@@ -355,3 +355,27 @@ def test_a_prefill_only_site_missing_in_one_request_is_found():
 
 def test_sites_of_is_rank_zero_by_default():
     assert sites_of(["r0.s0:model.a#0:out.0"]) == [(0, 0, 0, "model.a#0:out.0")]
+
+
+def test_shard_parts_after_a_token_flip_are_not_compared(tmp_path):
+    from accucheck.compare.diff import diff_captures
+    from tests.test_diff import write
+
+    rng = np.random.default_rng(3)
+    one, two = {}, {}
+    for s in (0, 1):
+        n = 3 if s == 0 else 1
+        x = rng.standard_normal((1, n, 8))
+        one[f"r0.s{s}:model.embed_tokens#0:out.0"] = two[f"r0.s{s}:model.embed_tokens#0:out.0"] = x
+        w = rng.standard_normal((1, n, 8))
+        one[f"r0.s{s}:{SITE}#0:out.0"] = w
+        for r in (0, 1):
+            two[f"r0.s{s}:{SITE}#0:out.0.rank{r}"] = w[..., 4 * r:4 * r + 4] * (1.5 if s else 1)
+    meta = {"tensor_parallel": {"size": 2, "shards": {
+        f"{SITE}#0:out.0": {"dim": -1, "ranks": [0, 1], "layout": "concat"}}}}
+    a = write(tmp_path / "a.h5", one, gen=((4, 5),))
+    b = write(tmp_path / "b.h5", two, gen=((7, 5),), meta=meta)  # the first token differs
+    d = diff_captures(a, b)
+    parts = [r for r in d.records if r.key.module == SITE]
+    assert [(r.key.step, r.key.slot) for r in parts] == [(0, "0.rank0"), (0, "0.rank1")]
+    assert all(r.error == 0.0 for r in parts)  # step 1 (1.5x) is after the flip: not compared

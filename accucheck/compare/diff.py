@@ -424,7 +424,7 @@ class _Differ:
             paired = {str(k) for _a, _b, k in ranked} | {
                 str(k) for g in shards for k in (*g.keys, g.whole.key)}
             missing = [m for m in missing if m.key not in paired]
-            pairs = sorted(pairs + [(a, b) for a, b, _k in ranked], key=lambda p: p[0].order)
+            pairs += [(a, b) for a, b, _k in ranked]  # records are put in order below
             self._rank_keys = {(str(a.key), str(b.key)): k for a, b, k in ranked}
         if unjoined:
             self.notes.append(
@@ -477,7 +477,7 @@ class _Differ:
             if ls is not None:
                 logits.append(ls)
         records += [rd for rd in joined if comparable(rd.key, limits)]
-        records.sort(key=lambda rd: rd.order)
+        records.sort(key=lambda rd: rd.order)  # stable: a rank's copy right after the copy
         if stats_only:
             self.notes.append(
                 f"{stats_only} of {len(records)} records have statistics only (capture with "
