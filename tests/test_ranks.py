@@ -9,6 +9,7 @@ import pytest
 
 from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.capture.ranks import merge_ranks, rank_slot, shard_layout
+from accucheck.store import open_capture
 
 
 @dataclass
@@ -379,3 +380,83 @@ def test_shard_parts_after_a_token_flip_are_not_compared(tmp_path):
     parts = [r for r in d.records if r.key.module == SITE]
     assert [(r.key.step, r.key.slot) for r in parts] == [(0, "0.rank0"), (0, "0.rank1")]
     assert all(r.error == 0.0 for r in parts)  # step 1 (1.5x) is after the flip: not compared
+
+
+def _shard_files(tmp_path, parts_of, whole_shape=(1, 3, 8), layouts=("concat",), cand_store=None,
+                 extra_ref=None):
+    """ref: unsharded tensors at sites s0, s1, ...; cand: their parts as `parts_of(x)` gives
+    them (a list per rank), each site annotated with its layout."""
+    from tests.test_diff import write
+
+    rng = np.random.default_rng(5)
+    one, two, shards = {}, {}, {}
+    for i, layout in enumerate(layouts):
+        site = f"model.layers.{i}.mlp.down_proj"
+        x = rng.standard_normal(whole_shape)
+        one[f"r0.s0:{site}#0:in.0"] = x
+        for r, p in enumerate(parts_of(x)):
+            two[f"r0.s0:{site}#0:in.0.rank{r}"] = p
+        shards[f"{site}#0:in.0"] = {"dim": -1, "ranks": [0, 1], "layout": layout}
+    common = {"r0.s0:model.embed_tokens#0:out.0": np.ones((1, 3, 8)), **(extra_ref or {})}
+    one, two = {**common, **one}, {**common, **two}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    a = write(tmp_path / "a.h5", one)
+    b = write(tmp_path / "b.h5", two, meta={"tensor_parallel": {"size": 2, "shards": shards}},
+              store=cand_store or "full")
+    return a, b
+
+
+def _halves(x):
+    return [x[..., :4], x[..., 4:]]
+
+
+@pytest.mark.parametrize("case", ["narrow", "other_rows", "stats_cand", "scalar"])
+def test_parts_that_do_not_fit_are_not_compared(tmp_path, case):
+    from accucheck.compare.diff import diff_captures
+
+    parts = {"narrow": lambda x: [x[..., :4], x[..., 4:7]],         # 7 of 8 columns
+             "other_rows": lambda x: [x[:, :2, :4], x[:, :2, 4:]],  # another leading shape
+             "stats_cand": _halves, "scalar": lambda x: [x[..., :4], x[..., 4:]]}[case]
+    shape = (1,) if case == "scalar" else (1, 3, 8)
+    if case == "scalar":
+        parts = lambda x: [np.float32(1.0), np.float32(2.0)]  # noqa: E731
+    a, b = _shard_files(tmp_path, parts, whole_shape=shape,
+                        cand_store="stats" if case == "stats_cand" else None)
+    d = diff_captures(a, b)
+    assert not [r for r in d.records if ".rank" in r.key.slot]
+    assert any(n.startswith("2 tensor-parallel shard records") for n in d.notes)
+
+
+def test_a_site_that_cannot_be_joined_does_not_stop_the_next(tmp_path):
+    from accucheck.compare.diff import diff_captures
+
+    a, b = _shard_files(tmp_path, _halves, layouts=("packed", "concat"))
+    d = diff_captures(a, b)
+    assert [(r.key.module, r.key.slot) for r in d.records if ".rank" in r.key.slot] == [
+        ("model.layers.1.mlp.down_proj", "0.rank0"), ("model.layers.1.mlp.down_proj", "0.rank1")]
+    assert any(n.startswith("2 tensor-parallel shard records") for n in d.notes)
+
+
+def test_two_tp2_captures_compare_rank_keys_directly(tmp_path):
+    from accucheck.compare.diff import diff_captures
+    from tests.test_diff import write
+
+    a, b = _shard_files(tmp_path / "x", _halves)
+    with open_capture(b) as r:
+        rows = {str(row.key): r.read(row.key) for row in r.rows}
+        meta = r.meta
+    rows["r0.s0:model.layers.0.mlp.down_proj#0:in.0.rank1"] *= 1.1
+    c = write(tmp_path / "c.h5", rows, meta={"tensor_parallel": meta["tensor_parallel"]})
+    d = diff_captures(b, c)
+    errs = {r.key.slot: r.error for r in d.records}
+    assert len(d.records) == 3 and errs["0.rank0"] == 0.0
+    assert errs["0.rank1"] == pytest.approx(0.1, rel=1e-5) and d.missing == ()
+
+
+def test_op_records_never_name_a_rank():
+    from accucheck.compare.diff import _base_key
+    from accucheck.keys import RecordKey
+
+    assert _base_key(RecordKey.parse("r0.s0:m#0/aten.mm@0:out.0.rank1")) is None
+    assert str(_base_key(RecordKey.parse("r1.s2:m#0:out.0.rank1"))) == "r1.s2:m#0:out.0"
+    assert _base_key(RecordKey.parse("r1.s2:m#0:out.0")) is None
