@@ -180,6 +180,10 @@ def test_a_silent_rank_is_named():
     assert line.startswith("coverage FAILED: 12 of 24 expected records (2 ranks x 2 requests")
     assert "rank 1 recorded 0 of 12 expected records" in line
     assert "first missing: rank 1 r0.s0:a#0:out.0" in line
+    # every step and every request lacks something: neither is singled out
+    assert line == ("coverage FAILED: 12 of 24 expected records (2 ranks x 2 requests x 3 steps "
+                    "x 2 sites); rank 1 recorded 0 of 12 expected records; first missing: "
+                    "rank 1 r0.s0:a#0:out.0")
 
 
 def test_a_missing_decode_step_is_named():
@@ -187,6 +191,9 @@ def test_a_missing_decode_step_is_named():
     cov = coverage(_sites([0], 2, 3, ["a", "b"], drop), 2, 3)
     assert cov["missing"]["by_step"] == {"2": 4} and not cov["ok"]
     assert "missing at step 2" in coverage_line(cov)
+    assert coverage_line(cov) == ("coverage FAILED: 8 of 12 expected records (1 rank x 2 "
+                                  "requests x 3 steps x 2 sites); missing at step 2; first "
+                                  "missing: rank 0 r0.s2:a#0:out.0")
     assert "rank" not in coverage_line(cov).split(";", 1)[1].split("first missing")[0]
 
 
@@ -195,6 +202,8 @@ def test_a_module_missing_in_one_request_is_named():
     cov = coverage(_sites([0], 2, 3, ["a", "b"], drop), 2, 3)
     line = coverage_line(cov)
     assert "missing in request 1" in line and "first missing: rank 0 r1.s0:b#0:out.0" in line
+    assert line == ("coverage FAILED: 9 of 12 expected records (1 rank x 2 requests x 3 steps "
+                    "x 2 sites); missing in request 1; first missing: rank 0 r1.s0:b#0:out.0")
 
 
 def test_decode_steps_expect_the_prefill_sites_when_none_was_recorded():
@@ -204,7 +213,8 @@ def test_decode_steps_expect_the_prefill_sites_when_none_was_recorded():
 
 def test_decode_may_record_other_sites_than_prefill():
     got = _sites([0], 1, 1, ["a", "mask"]) + [(0, 0, s, "a#0:out.0") for s in (1, 2)]
-    assert coverage(got, 1, 3)["ok"]
+    cov = coverage(got, 1, 3)
+    assert cov["ok"] and cov["sites"] == {"prefill": 2, "decode": 1} and cov["expected"] == 4
 
 
 def test_nothing_recorded_fails():
