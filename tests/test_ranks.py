@@ -345,6 +345,12 @@ def test_disagreement_sizes_at_the_edges():
     assert _rel_l2(rec("o", 0, [np.nan, 2.0]), rec("o", 1, [1.0, 2.0])) == float("inf")
     assert _rel_l2(rec("o", 0, [1.0, 2.0]), rec("o", 1, [[1.0, 2.0]])) is None
     assert _rel_l2(rec("o", 0, [3.0, 4.0]), rec("o", 1, [3.0, 4.0])) == 0.0
+    # a copy whose norm is below 1 is measured like any other (0.06 / 0.5 from the data,
+    # | 0.4 - 0.5 | / 0.5 from the norms), not taken for zero
+    small, off = rec("o", 0, [0.3, 0.4]), rec("o", 1, [0.3, 0.46])
+    assert _rel_l2(small, off) == pytest.approx(0.06 / 0.5, rel=1e-6)
+    assert _rel_l2(rec("o", 0, [0.3, 0.4], data=False), rec("o", 1, [0.0, 0.4], data=False)) \
+        == pytest.approx(0.1 / 0.5, rel=1e-6)
     a, b = rec("o", 0, [0.0], data=False), rec("o", 1, [0.0], data=False)
     assert _rel_l2(a, b) == 0.0
 
