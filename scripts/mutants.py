@@ -6,6 +6,7 @@
     python scripts/mutants.py --modules accucheck/compare/opmatch.py \\
         --only accucheck/compare/opmatch.py:151
     python scripts/mutants.py --changed origin/main -m ""   # lines changed since a ref, slow too
+    python scripts/mutants.py --modules accucheck/compare/diff.py --sample 160 --seed 1
 
 Each mutant is ONE deliberate bug on one source line (generated from the AST, applied as a
 minimal text splice, so every other line keeps its text and number): a comparison swapped
@@ -39,6 +40,7 @@ import ast
 import copy
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -674,6 +676,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="pytest -m expression (default: the project's addopts; -m '' runs the "
                         "slow tests too)")
     p.add_argument("--max", type=int, default=None, help="run at most N mutants")
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="run a random sample of N of the selected mutants (reproducible with "
+                        "--seed; for a module too large to run whole: the kill rate of the "
+                        "sample estimates the module's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one copy each)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per test file and mutant (default: 3x its baseline run, at "
@@ -715,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
             ch = changed_lines(args.changed, f, root)
             ms = [m for m in ms if any(ln in ch for ln in range(m.line, m.end_line + 1))]
         mutants += ms
+    if args.sample is not None and args.sample < len(mutants):
+        picked = set(random.Random(args.seed).sample(range(len(mutants)), args.sample))
+        mutants = [m for i, m in enumerate(mutants) if i in picked]  # in source order
     if args.max is not None:
         mutants = mutants[:args.max]
 

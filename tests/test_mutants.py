@@ -82,3 +82,19 @@ def test_changed_selects_only_lines_changed_since_a_ref(mutants, toy, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.lstrip()[:1].isdigit()]
     assert [ln.split()[1:] for ln in lines[:-1]] == [["toy.py:6", "constant:", "3", "->", "4"]]
     assert lines[-1] == "1 mutants"
+
+
+def test_sample_is_a_reproducible_subset_in_source_order(mutants, toy, capsys):
+    def listed(*extra):
+        assert mutants.main(["--repo", str(toy), "--modules", "toy.py", "--list", *extra]) == 0
+        return [" ".join(ln.split()[1:]) for ln in capsys.readouterr().out.splitlines()
+                if ln.lstrip()[:1].isdigit() and "mutants" not in ln]
+
+    every = listed()
+    assert len(every) == 5
+    a, b, c = listed("--sample", "3", "--seed", "7"), listed("--sample", "3", "--seed", "7"), \
+        [listed("--sample", "3", "--seed", str(s)) for s in range(8)]
+    assert a == b and len(a) == 3 and set(a) <= set(every)
+    assert a == [m for m in every if m in a]  # source order kept
+    assert len({tuple(x) for x in c}) > 1  # the seed picks which
+    assert listed("--sample", "9") == every  # a sample larger than the list is the list
