@@ -124,6 +124,38 @@ def test_verdict_records_are_frozen():
             setattr(rec, name, 0.5)
         assert getattr(rec, name) != 0.5
 
+def test_diff_records_are_frozen_and_keep_their_basis_invariants():
+    """compare.diff's records (StatsDelta, GoldenLabel, RecordDiff) cannot be changed once
+    made, and a RecordDiff refuses an unknown basis and metrics / statistics that do not go
+    with its basis, each in its own words."""
+    from accucheck.compare.diff import StatsDelta
+
+    k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
+    sd = StatsDelta(False, 0.25, "l2", 0)
+    gl = GoldenLabel("cand_worse", 1.0, 3.0, 2.0)
+    kw = dict(key=k, kind="module", order=0, ref_dtype="float32", cand_dtype="float32",
+              ref_shape=(1, 8), cand_shape=(1, 8), tolerance=Tolerance(TOL))
+    rd = RecordDiff(basis="sample", metrics=_m(0.5), stats=sd, **kw)
+    assert rd.error == 0.5
+    for rec, name in ((sd, "rel_l2_lower_bound"), (gl, "label"), (rd, "basis")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(rec, name, "x")
+    cases = [(dict(basis="tensors", metrics=_m(0.5)), "bad basis 'tensors'"),
+             (dict(basis="tensor"), "metrics go with basis 'tensor' or 'sample'"),
+             (dict(basis="stats", metrics=_m(0.5), stats=sd),
+              "metrics go with basis 'tensor' or 'sample'"),
+             (dict(basis="sample", metrics=_m(0.5)),
+              "statistics go with basis 'sample' or 'stats'"),
+             (dict(basis="tensor", metrics=_m(0.5), stats=sd),
+              "statistics go with basis 'sample' or 'stats'")]
+    for extra, message in cases:
+        with pytest.raises(ValueError) as e:
+            RecordDiff(**kw, **extra)
+        assert str(e.value) == message
+    assert RecordDiff(basis="stats", stats=sd, **kw).error == 0.25
+    assert RecordDiff(basis="shape", **kw).error == math.inf
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
