@@ -132,7 +132,7 @@ def test_diff_records_are_frozen_and_keep_their_basis_invariants():
 
     k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
     sd = StatsDelta(False, 0.25, "l2", 0)
-    gl = GoldenLabel("cand_worse", 1.0, 3.0, 2.0)
+    gl = GoldenLabel("cand worse", 1.0, 3.0, 2.0)
     kw = dict(key=k, kind="module", order=0, ref_dtype="float32", cand_dtype="float32",
               ref_shape=(1, 8), cand_shape=(1, 8), tolerance=Tolerance(TOL))
     rd = RecordDiff(basis="sample", metrics=_m(0.5), stats=sd, **kw)
@@ -154,6 +154,27 @@ def test_diff_records_are_frozen_and_keep_their_basis_invariants():
         assert str(e.value) == message
     assert RecordDiff(basis="stats", stats=sd, **kw).error == 0.25
     assert RecordDiff(basis="shape", **kw).error == math.inf
+
+
+def test_record_within_needs_both_bases_of_a_sample_and_a_real_golden_label():
+    """A stats-mode record (basis "sample") is within tolerance only when its statistics bound
+    AND its sampled estimate are; a golden label of "n/a" (no exact tensors on one side) is no
+    referee: the tolerance decides."""
+    from accucheck.compare.diff import StatsDelta
+
+    k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
+    kw = dict(key=k, kind="module", order=0, ref_dtype="float32", cand_dtype="float32",
+              ref_shape=(1, 8), cand_shape=(1, 8), tolerance=Tolerance(TOL))
+    quiet, loud = StatsDelta(False, TOL / 2, "l2", 0), StatsDelta(False, 2 * TOL, "l2", 0)
+    assert RecordDiff(basis="sample", metrics=_m(TOL / 2), stats=quiet, **kw).within
+    assert not RecordDiff(basis="sample", metrics=_m(2 * TOL), stats=quiet, **kw).within
+    assert not RecordDiff(basis="sample", metrics=_m(TOL / 2), stats=loud, **kw).within
+    na = RecordDiff(basis="tensor", metrics=_m(2 * TOL), golden=GoldenLabel("n/a", None, None,
+                                                                            2.0), **kw)
+    assert not na.refereed and not na.within
+    judged = RecordDiff(basis="tensor", metrics=_m(2 * TOL),
+                        golden=GoldenLabel("both within noise", 1.0, 1.1, 2.0), **kw)
+    assert judged.refereed and judged.within
 
 
 # ----------------------------------------------------------------- locate: verdict lists
