@@ -177,6 +177,35 @@ def test_record_within_needs_both_bases_of_a_sample_and_a_real_golden_label():
     assert judged.refereed and judged.within
 
 
+def test_every_diff_result_type_is_frozen():
+    """Everything compare.diff returns is shared by locate, culprit and the reports, so none
+    of it can be changed once made (dataclasses.FrozenInstanceError on assignment)."""
+    import accucheck.compare.diff as d
+
+    types = [v for v in vars(d).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
+             and v.__module__ == d.__name__]
+    assert {"StatsDelta", "GoldenLabel", "RecordDiff", "MissingKey", "LogitsPosition",
+            "LogitsStep", "TokenFlip", "DiffResult"} <= {t.__name__ for t in types}
+    # ShardGroup: diff's own working list of one site's shard parts, never returned
+    assert [t.__name__ for t in types if not t.__dataclass_params__.frozen] == ["ShardGroup"]
+    step = d.LogitsStep(RecordKey.parse("r0.s0:logits#0:out.0"), ())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.positions = ()
+
+
+def test_logits_step_summaries_with_and_without_positions():
+    k = RecordKey.parse("r0.s0:logits#0:out.0")
+    from accucheck.compare.diff import LogitsPosition, LogitsStep
+
+    assert LogitsStep(k, ()).max_kl == 0.0 and LogitsStep(k, ()).top1_agreement == 1.0
+    ps = (LogitsPosition(0, 0.25, 3, 3, 1.0, 2.0, 0.1), LogitsPosition(1, 0.5, 3, 4, 0.8, 0.1, 0.1),
+          LogitsPosition(2, 0.125, 5, 5, 1.0, 0.05, 0.1))
+    st = LogitsStep(k, ps)
+    assert st.max_kl == 0.5 and st.top1_agreement == pytest.approx(2 / 3)
+    assert [p.agree for p in ps] == [True, False, True]
+    assert [p.near_tie for p in ps] == [False, True, True]  # margin <= noise, ties included
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
