@@ -206,6 +206,18 @@ def test_logits_step_summaries_with_and_without_positions():
     assert [p.near_tie for p in ps] == [False, True, True]  # margin <= noise, ties included
 
 
+def test_token_flip_label_needs_both_margin_and_noise():
+    from accucheck.compare.diff import TokenFlip
+
+    def flip(margin, noise):
+        return TokenFlip(0, 1, 5, 10, 11, margin, noise, True, "logits")
+
+    assert [(f.near_tie, f.label) for f in (flip(None, 0.1), flip(0.1, None), flip(None, None))] \
+        == [(None, "unknown (no logits stored)")] * 3
+    assert (flip(0.1, 0.1).near_tie, flip(0.1, 0.1).label) == (True, "near-tie")
+    assert (flip(0.3, 0.1).near_tie, flip(0.3, 0.1).label) == (False, "real")
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
