@@ -422,3 +422,34 @@ def test_first_difference_after_identical_records(tmp_path, store):
     text = render(a, "table")
     assert ("First difference: step 0, model.layers.1.self_attn (out.0): rel_l2 "
             in text), text
+
+
+def test_prompts_and_generations_of_other_lengths(tmp_path):
+    """A prompt that is a prefix of the other side's differs at the shorter one's end (one
+    line, no traceback); generated ids of other lengths agree on their common prefix (nothing
+    skipped, no flip); the same for a golden that generated more than the reference."""
+    t = base()
+    a = write(tmp_path / "a.h5", t, gen=((4, 5, 6),))
+    with pytest.raises(UserError) as e:
+        diff_captures(a, write(tmp_path / "p.h5", t, prompts=((1, 2),)))
+    assert "request 0 differs at token 2" in str(e.value)
+    with pytest.raises(UserError) as e:
+        diff_captures(write(tmp_path / "q.h5", t, prompts=((1, 2),)), a)
+    assert "request 0 differs at token 2" in str(e.value)
+    for gen in (((4, 5),), ((4, 5, 6, 7),)):
+        d = diff_captures(a, write(tmp_path / f"g{len(gen[0])}.h5", t, gen=gen))
+        assert d.within and not d.flips and not d.notes and d.skipped == 0
+    g = write(tmp_path / "golden.h5", t, gen=((4, 5, 6, 7, 8),))
+    d = diff_captures(write(tmp_path / "r.h5", t, gen=((4, 5),)), a, g)
+    assert not [n for n in d.notes if "golden tokens differ" in n]
+
+
+def test_golden_prompts_checked_for_every_request(tmp_path):
+    t = base()
+    two = dict(prompts=((1, 2, 3), (4, 5, 6)), gen=((4, 5), (6, 7)))
+    a, b = write(tmp_path / "a.h5", t, **two), write(tmp_path / "b.h5", t, **two)
+    g = write(tmp_path / "g.h5", t, prompts=((1, 2, 3), (4, 5, 9)), gen=two["gen"])
+    with pytest.raises(UserError) as e:
+        diff_captures(a, b, g)
+    assert "golden" in str(e.value) and "other prompts" in str(e.value)
+    assert diff_captures(a, b, write(tmp_path / "g2.h5", t, **two)).within

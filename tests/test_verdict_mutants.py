@@ -218,6 +218,16 @@ def test_token_flip_label_needs_both_margin_and_noise():
     assert (flip(0.3, 0.1).near_tie, flip(0.3, 0.1).label) == (False, "real")
 
 
+def test_diff_basis_ignores_shape_records_and_precision_needs_one_compute_dtype():
+    one = D().add("r0.s0:m.a#0:out.0", 0.1, ref_dtype="float32", cand_dtype="float16") \
+        .add("r0.s0:m.b#0:out.0", shape=True)
+    assert one.diff().basis == "tensor"
+    assert D().add("r0.s0:m.b#0:out.0", shape=True).diff().basis == "none"
+    assert one.diff(compute=("float32", "float32")).precision_findings == (one.recs[0],)
+    assert one.diff(compute=("bfloat16", "float32")).precision_findings == ()
+    assert one.diff(compute=(None, None)).precision_findings == ()
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
