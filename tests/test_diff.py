@@ -453,3 +453,24 @@ def test_golden_prompts_checked_for_every_request(tmp_path):
         diff_captures(a, b, g)
     assert "golden" in str(e.value) and "other prompts" in str(e.value)
     assert diff_captures(a, b, write(tmp_path / "g2.h5", t, **two)).within
+
+
+def test_include_keeps_a_key_any_one_pattern_matches(tmp_path):
+    t = base()
+    a, b = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t)
+    d = diff_captures(a, b, include=["*.mlp", "model.norm"])
+    assert [str(r.key) for r in d.records] == ["r0.s0:model.layers.0.mlp#0:out.0",
+                                                "r0.s0:model.layers.1.mlp#0:out.0",
+                                                "r0.s0:model.norm#0:out.0"]
+
+
+def test_only_shadow_records_pair_as_shadows(tmp_path):
+    """A candidate-only "in" record of a module whose output both sides hold is a key on one
+    side, not a shadow replay of that output."""
+    t = base()
+    c = dict(t)
+    c["r0.s0:model.layers.0.mlp#0:in.0"] = np.ones((1, 3, 64))
+    d = diff_captures(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c))
+    assert d.record("r0.s0:model.layers.0.mlp#0:out.0").shadow is None
+    assert [(m.key, m.only_in) for m in d.missing] == [
+        ("r0.s0:model.layers.0.mlp#0:in.0", "cand")]
