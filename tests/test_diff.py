@@ -474,3 +474,44 @@ def test_only_shadow_records_pair_as_shadows(tmp_path):
     assert d.record("r0.s0:model.layers.0.mlp#0:out.0").shadow is None
     assert [(m.key, m.only_in) for m in d.missing] == [
         ("r0.s0:model.layers.0.mlp#0:in.0", "cand")]
+
+
+def test_ops_on_one_side_are_noted_not_missing_and_shadows_without_output_are(tmp_path):
+    """An op only the reference ran (fused away in the candidate) is a note with its count,
+    never a missing key; a candidate shadow record with no output to pair with is a key on one
+    side."""
+    rng = np.random.default_rng(3)
+    x, y, z = (rng.standard_normal((1, 3, 64)) for _ in range(3))
+    mod = "r0.s0:model.layers.0.mlp#0"
+    ref = {f"{mod}/aten.mul.Tensor@0:out.0": y, f"{mod}/aten.add.Tensor@1:out.0": z,
+           f"{mod}:out.0": z}
+    cand = {f"{mod}/aten.add.Tensor@0:out.0": z, f"{mod}:out.0": z,
+            "r0.s0:model.layers.1.mlp#0:shadow.0": x}
+    d = diff_captures(write(tmp_path / "a.h5", ref), write(tmp_path / "b.h5", cand))
+    assert [(m.key, m.only_in) for m in d.missing] == [
+        ("r0.s0:model.layers.1.mlp#0:shadow.0", "cand")]
+    assert [n for n in d.notes if "op calls on one side only" in n] == [
+        "1 op calls on one side only (1 only in ref, 0 only in cand): fused or absent there, "
+        "not errors; 0 fused regions compared by their final output"]
+    same = diff_captures(tmp_path / "a.h5", write(tmp_path / "c.h5", ref))
+    assert not [n for n in same.notes if "op calls" in n] and same.within
+
+
+def test_nothing_to_compare_says_which_in_one_line(tmp_path):
+    t = base()
+    a, b = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t)
+    with pytest.raises(UserError) as e:
+        diff_captures(a, b, include=["nothing*"])
+    assert str(e.value).startswith(f"no records to compare between {a} and {b}")
+    other = {k.replace("model.", "net."): v for k, v in t.items() if "model." in k}
+    with pytest.raises(UserError) as e:
+        diff_captures(a, write(tmp_path / "c.h5", other))
+    assert "have no record key in common" in str(e.value)
+
+
+def test_progress_every_200_records(tmp_path):
+    t = {f"r0.s0:model.layers.{i}#0:out.0": np.full((1, 2), float(i + 1)) for i in range(401)}
+    a, b = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t)
+    said: list[str] = []
+    diff_captures(a, b, progress=said.append)
+    assert said == ["diff: 0/401 records", "diff: 200/401 records", "diff: 400/401 records"]
