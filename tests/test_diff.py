@@ -515,3 +515,60 @@ def test_progress_every_200_records(tmp_path):
     said: list[str] = []
     diff_captures(a, b, progress=said.append)
     assert said == ["diff: 0/401 records", "diff: 200/401 records", "diff: 400/401 records"]
+
+
+def _mixed(path, recs, store, golden_shape=None):
+    """recs: (key, values, with a sample, /index/extra) in order; values stored in full mode."""
+    with CaptureWriter(path, meta={"dtype": "float32"}, store=store) as w:
+        for key, x, sample, extra in recs:
+            x = np.asarray(x, np.float32)
+            st = _stats(x)
+            if sample:
+                st = np.concatenate([st, x.ravel()[(np.arange(64) * (x.size - 1)) // 63]])
+            w.add(key, "module", "float32", x.shape, st,
+                  int(x.view(np.uint32).astype(np.int64).sum() % 2 ** 52),
+                  x if store == "full" else None, extra)
+        w.set_request(0, (1, 2, 3), (4, 5))
+    return path
+
+
+def test_full_against_statistics_and_samples_on_one_side_only(tmp_path):
+    """A full capture against a stats-only one (either way round) is compared on the samples;
+    a side without samples leaves the statistics bound alone (basis "stats")."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 3, 64))
+    y = x * (1 + 1e-2)
+    k = "r0.s0:model.layers.0.mlp#0:out.0"
+    full = _mixed(tmp_path / "full.h5", [(k, x, True, "")], "full")
+    stats = _mixed(tmp_path / "stats.h5", [(k, y, True, "")], "stats")
+    bare = _mixed(tmp_path / "bare.h5", [(k, y, False, "")], "stats")
+    for a, b, basis in ((full, stats, "sample"), (stats, full, "sample"), (stats, bare, "stats"),
+                        (bare, stats, "stats"), (full, bare, "stats")):
+        r = diff_captures(a, b).record(k)
+        assert r.basis == basis, (a.name, b.name)
+        if basis == "sample":  # 1e-2 relative to the reference's norm, either way round
+            assert r.error == pytest.approx(1e-2, rel=2e-2)
+
+
+def test_links_come_from_whichever_side_stored_them(tmp_path):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 3, 64))
+    p, k = "r0.s0:model.layers.0.input_layernorm#0:out.0", "r0.s0:model.layers.0.mlp#0:out.0"
+    src = '{"src":{"0":"model.layers.0.input_layernorm#0:out.0"}}'
+    linked = _mixed(tmp_path / "l.h5", [(p, x, True, ""), (k, x, True, src)], "full")
+    plain = _mixed(tmp_path / "p.h5", [(p, x, True, ""), (k, x, True, "")], "full")
+    want = (("0", p),)
+    assert diff_captures(linked, plain).record(k).src == want
+    assert diff_captures(plain, linked).record(k).src == want
+    assert diff_captures(plain, plain).record(k).src == ()
+
+
+def test_golden_of_another_shape_is_no_referee(tmp_path):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 3, 64))
+    k = "r0.s0:model.layers.0.mlp#0:out.0"
+    a = _mixed(tmp_path / "a.h5", [(k, x, True, "")], "full")
+    b = _mixed(tmp_path / "b.h5", [(k, x * 1.5, True, "")], "full")
+    g = _mixed(tmp_path / "g.h5", [(k, rng.standard_normal((1, 3, 32)), True, "")], "full")
+    r = diff_captures(a, b, g).record(k)
+    assert not r.refereed and not r.within and (r.golden is None or r.golden.label == "n/a")
