@@ -572,3 +572,24 @@ def test_golden_of_another_shape_is_no_referee(tmp_path):
     g = _mixed(tmp_path / "g.h5", [(k, rng.standard_normal((1, 3, 32)), True, "")], "full")
     r = diff_captures(a, b, g).record(k)
     assert not r.refereed and not r.within and (r.golden is None or r.golden.label == "n/a")
+
+
+def test_golden_errors_leave_out_positions_not_finite_on_any_side(tmp_path):
+    """A NaN both runs hold at the same position (no NaN mismatch) is left out of the golden
+    RMS errors, which stay finite and exact over the other positions."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 3, 64))
+    ref = x.copy()
+    ref[0, 0, 0] = np.nan
+    cand = ref * (1 + 1e-3)
+    gold = x.copy()
+    gold[0, 0, 0] = 0.0
+    k = "r0.s0:model.layers.0.mlp#0:out.0"
+    a = _mixed(tmp_path / "a.h5", [(k, ref, True, "")], "full")
+    b = _mixed(tmp_path / "b.h5", [(k, cand, True, "")], "full")
+    g = _mixed(tmp_path / "g.h5", [(k, gold, True, "")], "full")
+    r = diff_captures(a, b, g).record(k)
+    m = np.isfinite(ref.ravel())
+    c32, g32 = cand.astype(np.float32).ravel()[m], gold.astype(np.float32).ravel()[m]
+    want = np.sqrt(np.sum((c32.astype(np.float64) - g32) ** 2) / r.metrics.numel)
+    assert r.golden.ref_rmse == 0.0 and r.golden.cand_rmse == pytest.approx(want, rel=1e-9)
