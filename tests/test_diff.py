@@ -593,3 +593,27 @@ def test_golden_errors_leave_out_positions_not_finite_on_any_side(tmp_path):
     c32, g32 = cand.astype(np.float32).ravel()[m], gold.astype(np.float32).ravel()[m]
     want = np.sqrt(np.sum((c32.astype(np.float64) - g32) ** 2) / r.metrics.numel)
     assert r.golden.ref_rmse == 0.0 and r.golden.cand_rmse == pytest.approx(want, rel=1e-9)
+
+
+def test_record_tolerance_from_the_run_dtypes_integers_exact(tmp_path):
+    """A float32 record of a bfloat16 run is judged at bfloat16's tolerance, also when only
+    one capture says its compute dtype; integer records are exact in any run."""
+    def cap(path, meta_dtype):
+        meta = {"dtype": meta_dtype} if meta_dtype else {}
+        with CaptureWriter(path, meta=meta, store="full") as w:
+            x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(1, 12)
+            w.add("r0.s0:m.f#0:out.0", "module", "float32", x.shape, _stats(x), 1, x)
+            i = np.arange(12, dtype=np.int64).reshape(1, 12)
+            w.add("r0.s0:m.i#0:out.0", "module", "int64", i.shape, _stats(i), 2, i)
+            w.set_request(0, (1, 2, 3), (4, 5))
+        return path
+
+    bf, none = cap(tmp_path / "bf.h5", "bfloat16"), cap(tmp_path / "none.h5", None)
+    f32 = cap(tmp_path / "f32.h5", "float32")
+    for a, b in ((bf, none), (none, bf), (bf, bf)):
+        d = diff_captures(a, b)
+        assert d.record("r0.s0:m.f#0:out.0").tolerance.rel_l2 == 5e-2, (a.name, b.name)
+        assert d.record("r0.s0:m.i#0:out.0").tolerance.rel_l2 == 0.0, (a.name, b.name)
+    d = diff_captures(f32, none)
+    assert d.record("r0.s0:m.f#0:out.0").tolerance.rel_l2 == 5e-5
+    assert d.record("r0.s0:m.i#0:out.0").tolerance.rel_l2 == 0.0
