@@ -228,6 +228,30 @@ def test_diff_basis_ignores_shape_records_and_precision_needs_one_compute_dtype(
     assert one.diff(compute=(None, None)).precision_findings == ()
 
 
+def test_flips_merge_the_generated_ids_flip_with_the_logits_ones():
+    """compare.diff's flip list: a generated-id flip the stored logits already show is not
+    listed twice; one they do not show is added, and it is the first flip when it comes
+    earlier (request, step) than every logits flip."""
+    from accucheck.compare.diff import LogitsPosition, LogitsStep, TokenFlip, _Differ
+
+    def step(s, flip_at):  # three positions, the last one generating
+        return LogitsStep(RecordKey.parse(f"r0.s{s}:logits#0:out.0"), tuple(
+            LogitsPosition(i, 0.1, 3, 4 if i == flip_at else 3, 1.0, 0.5, 0.1)
+            for i in range(3)))
+
+    def ids(s):
+        return TokenFlip(0, s, -1, 3, 4, None, None, True, "tokens")
+
+    first, gen = _Differ._flips(None, [step(1, 2)], ids(1))
+    assert [(f.step, f.source) for f in gen] == [(1, "logits")] and first.source == "logits"
+    first, gen = _Differ._flips(None, [step(2, 2), step(1, 0)], ids(0))
+    assert [(f.step, f.source) for f in gen] == [(2, "logits"), (0, "tokens")]
+    assert (first.step, first.source) == (0, "tokens")
+    first, gen = _Differ._flips(None, [step(1, 0)], ids(3))  # a prompt-position flip first
+    assert (first.step, first.position, first.generating) == (1, 0, False)
+    assert [(f.step, f.source) for f in gen] == [(3, "tokens")]
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
