@@ -252,6 +252,31 @@ def test_flips_merge_the_generated_ids_flip_with_the_logits_ones():
     assert [(f.step, f.source) for f in gen] == [(3, "tokens")]
 
 
+def test_golden_label_noise_floor_and_ties_exactly():
+    """compare.diff._golden_label on RMS errors chosen to be exact in binary: rmse is
+    sqrt(sum / n); the noise floor is a tenth of the tolerance times the golden's RMS; a
+    side is worse only when its error is strictly above multiplier x the other's + floor."""
+    import numpy as np
+
+    from accucheck.compare.diff import _golden_label
+
+    tol = Tolerance(10.0)  # floor = 0.1 * 10 * rms(golden) = 1.0 with rms(golden) = 1
+
+    def label(er, ec, n=1):
+        return _golden_label(np.array([er * er * n, ec * ec * n, 1.0 * n]), n, tol, 2.0)
+
+    g = label(1.0, 2.0, n=4)
+    assert (g.ref_rmse, g.cand_rmse, g.multiplier) == (1.0, 2.0, 2.0)
+    assert label(1.0, 3.0).label == "both within noise"      # 3 == 2 x 1 + 1: a tie
+    assert label(3.0, 1.0).label == "both within noise"
+    assert label(1.0, 3.25).label == "cand worse"
+    assert label(3.25, 1.0).label == "ref worse"
+    assert label(0.0, 1.5).label == "cand worse"              # over the floor of 1.0 ...
+    assert label(0.0, 0.75).label == "both within noise"      # ... and under it
+    assert label(1.5, 0.0).label == "ref worse"
+    assert label(0.75, 0.0).label == "both within noise"
+
+
 # ----------------------------------------------------------------- locate: verdict lists
 
 def test_analyze_ranks_ten_by_default_and_refuses_an_incomplete_capture(tmp_path):
