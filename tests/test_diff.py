@@ -617,3 +617,14 @@ def test_record_tolerance_from_the_run_dtypes_integers_exact(tmp_path):
     d = diff_captures(f32, none)
     assert d.record("r0.s0:m.f#0:out.0").tolerance.rel_l2 == 5e-5
     assert d.record("r0.s0:m.i#0:out.0").tolerance.rel_l2 == 0.0
+
+
+def test_nan_inf_mismatch_counts_only_the_difference():
+    a = np.linspace(1.0, 2.0, 20)
+    a[0], a[1], a[2] = np.nan, np.inf, -np.inf
+    b = a * 1.5
+    assert stats_delta(_row(a), _row(b, checksum=2)).nan_inf_mismatch == 0  # same positions
+    b[5] = np.nan
+    b[6] = np.inf
+    assert stats_delta(_row(a), _row(b, checksum=2)).nan_inf_mismatch == 2
+    assert stats_delta(_row(b, checksum=2), _row(a)).nan_inf_mismatch == 2
