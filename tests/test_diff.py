@@ -320,7 +320,10 @@ def test_stats_bound_with_nan_uses_l2_only_and_counts_positions():
         abs(np.linalg.norm(a) - np.linalg.norm(fb)) / np.linalg.norm(a), rel=1e-9)
     # identical rows: identical, zero, nothing named
     sd = stats_delta(_row(a), _row(a))
-    assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from) == (True, 0.0, None)
+    assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from, sd.nan_inf_mismatch) == \
+        (True, 0.0, None, 0)
+    sd = stats_delta(_row(b, checksum=2), _row(b, checksum=2))  # NaN / Inf at the same places
+    assert (sd.identical, sd.nan_inf_mismatch) == (True, 0)
     # a zero reference: any difference is an infinite relative error
     z = np.zeros(10)
     assert stats_delta(_row(z), _row(z + 1.0, checksum=2)).rel_l2_lower_bound == math.inf
