@@ -631,3 +631,19 @@ def test_nan_inf_mismatch_counts_only_the_difference():
     b[6] = np.inf
     assert stats_delta(_row(a), _row(b, checksum=2)).nan_inf_mismatch == 2
     assert stats_delta(_row(b, checksum=2), _row(a)).nan_inf_mismatch == 2
+
+
+def test_links_and_meta_dtype_read_defensively():
+    from accucheck.compare.diff import _links, _meta_dtype
+    from accucheck.store import IndexRow, Stats
+
+    def row(extra):
+        return IndexRow(RecordKey.parse("r1.s2:m#0:out.0"), 0, "module", "float32", (1,),
+                        Stats.from_row(_stats(np.ones(1))), 1, "", extra)
+
+    assert _links(row('{"src":{"0":"p#0:out.0","1":5}}')) == (("0", "r1.s2:p#0:out.0"),)
+    for bad in ('{"src": ', '["src"]', '{"src": null}', '{"site": "x"}', ""):
+        assert _links(row(bad)) == (), bad
+    assert [_meta_dtype(m) for m in ({"dtype": "torch.bfloat16"}, {"dtype": "float16"},
+                                     {"dtype": ""}, {"dtype": 5}, {})] == \
+        ["bfloat16", "float16", None, None, None]

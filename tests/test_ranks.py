@@ -331,6 +331,12 @@ def test_a_differing_rank_copy_is_compared_under_its_own_key(tmp_path):
     assert note.startswith("RANKS DISAGREE in cand: 1 replicated tensors differ between "
                            "tensor-parallel ranks (first: r0.s0:model.layers.1.mlp#0:out.0, "
                            "rank 1 vs rank 0, rel_l2 0.5)")
+    # --include / --step select rank copies like any record
+    d = diff_captures(a, b, include=["model.layers.0.*"])
+    assert not [r for r in d.records if r.key.module == "model.layers.1.mlp"]
+    assert not [m for m in d.missing if "rank1" in m.key]
+    assert diff_captures(a, b, include=["model.layers.1.mlp"]).record(f"{k}.rank1").error \
+        == pytest.approx(0.5, rel=1e-6)
 
 
 def test_disagreement_sizes_at_the_edges():
