@@ -78,6 +78,9 @@ def test_one_side_keys_listed_and_shape_mismatch_reported(tmp_path):
     assert r.ref_shape == (1, 3, 64) and r.cand_shape == (1, 3, 65)
     assert not d.within
     assert any("one side only" in n for n in d.notes)
+    del c["r0.s0:model.layers.0.self_attn#0:out.0"]  # now 2 only in ref, 1 only in cand
+    d = diff_captures(tmp_path / "a.h5", write(tmp_path / "c.h5", c))
+    assert "3 keys on one side only (2 only in ref, 1 only in cand): see `missing`" in d.notes
 
 
 def test_different_prompts_refused_in_one_line(tmp_path):
@@ -596,6 +599,10 @@ def test_golden_errors_leave_out_positions_not_finite_on_any_side(tmp_path):
     c32, g32 = cand.astype(np.float32).ravel()[m], gold.astype(np.float32).ravel()[m]
     want = np.sqrt(np.sum((c32.astype(np.float64) - g32) ** 2) / r.metrics.numel)
     assert r.golden.ref_rmse == 0.0 and r.golden.cand_rmse == pytest.approx(want, rel=1e-9)
+    cand[0, 0, 0] = 1.0  # now a NaN in the reference only: still left out
+    b = _mixed(tmp_path / "b2.h5", [(k, cand, True, "")], "full")
+    r = diff_captures(a, b, g).record(k)
+    assert r.golden.ref_rmse == 0.0 and r.golden.cand_rmse == pytest.approx(want, rel=1e-9)
 
 
 def test_record_tolerance_from_the_run_dtypes_integers_exact(tmp_path):
@@ -612,6 +619,13 @@ def test_record_tolerance_from_the_run_dtypes_integers_exact(tmp_path):
         return path
 
     bf, none = cap(tmp_path / "bf.h5", "bfloat16"), cap(tmp_path / "none.h5", None)
+    with CaptureWriter(tmp_path / "int.h5", meta={"dtype": "bfloat16"}, store="full") as w:
+        i = np.arange(12, dtype=np.int64).reshape(1, 12)
+        w.add("r0.s0:m.f#0:out.0", "module", "int64", i.shape, _stats(i), 3, i)
+        w.add("r0.s0:m.i#0:out.0", "module", "int64", i.shape, _stats(i), 2, i)
+        w.set_request(0, (1, 2, 3), (4, 5))
+    for a, b in ((bf, tmp_path / "int.h5"), (tmp_path / "int.h5", bf)):  # float vs integer
+        assert diff_captures(a, b).record("r0.s0:m.f#0:out.0").tolerance.rel_l2 == 5e-2
     f32 = cap(tmp_path / "f32.h5", "float32")
     for a, b in ((bf, none), (none, bf), (bf, bf)):
         d = diff_captures(a, b)
@@ -647,3 +661,18 @@ def test_links_and_meta_dtype_read_defensively():
     assert [_meta_dtype(m) for m in ({"dtype": "torch.bfloat16"}, {"dtype": "float16"},
                                      {"dtype": ""}, {"dtype": 5}, {})] == \
         ["bfloat16", "float16", None, None, None]
+
+
+def test_one_dimensional_logits_are_logits(tmp_path):
+    x = np.linspace(-2, 2, 32)
+    y = x.copy()
+    y[[3, 30]] = y[[30, 3]]  # the top-1 token moves
+    a = write(tmp_path / "a.h5", {"r0.s0:logits#0:out.0": x})
+    b = write(tmp_path / "b.h5", {"r0.s0:logits#0:out.0": y})
+    d = diff_captures(a, b)
+    assert len(d.logits) == 1 and len(d.logits[0].positions) == 1
+    assert d.logits[0].positions[0].top1_ref == 31 and d.logits[0].positions[0].top1_cand == 31
+    z = y.copy()
+    z[[0, 31]] = z[[31, 0]]
+    d = diff_captures(a, write(tmp_path / "c.h5", {"r0.s0:logits#0:out.0": z}))
+    assert (d.logits[0].positions[0].top1_ref, d.logits[0].positions[0].top1_cand) == (31, 0)
