@@ -676,3 +676,10 @@ def test_one_dimensional_logits_are_logits(tmp_path):
     z[[0, 31]] = z[[31, 0]]
     d = diff_captures(a, write(tmp_path / "c.h5", {"r0.s0:logits#0:out.0": z}))
     assert (d.logits[0].positions[0].top1_ref, d.logits[0].positions[0].top1_cand) == (31, 0)
+
+
+def test_same_checksum_different_statistics_is_not_identical():
+    """Checksums can collide (a sum of bit patterns); the statistics must agree too."""
+    a = np.linspace(1.0, 2.0, 50)
+    sd = stats_delta(_row(a, checksum=7), _row(a * 1.01, checksum=7))
+    assert not sd.identical and sd.rel_l2_lower_bound == pytest.approx(0.01, rel=1e-6)
