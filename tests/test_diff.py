@@ -683,3 +683,14 @@ def test_same_checksum_different_statistics_is_not_identical():
     a = np.linspace(1.0, 2.0, 50)
     sd = stats_delta(_row(a, checksum=7), _row(a * 1.01, checksum=7))
     assert not sd.identical and sd.rel_l2_lower_bound == pytest.approx(0.01, rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+def test_rows_with_nothing_finite_to_bound_are_not_identical():
+    """Two rows whose only comparable statistic is not finite (a NaN on both sides leaves the
+    L2 norm; both norms overflow): no bound, but never "identical"."""
+    a = np.array([np.nan, 1e200, 1e200])
+    b = np.array([np.nan, 1e200, 2e200])
+    sd = stats_delta(_row(a, checksum=1), _row(b, checksum=2))
+    assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from, sd.nan_inf_mismatch) == \
+        (False, 0.0, None, 0)
