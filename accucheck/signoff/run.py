@@ -479,7 +479,8 @@ def compare_previous(scn: Scenario, current: Metrics, ref: str | os.PathLike, pr
     (schema accucheck.signoff), or from a capture of its candidate diffed against this reference
     with the same tolerances. A metric is "same" when it moved by at most `regression_margin`
     (relative) or stays below a noise floor (a tenth of the tolerance: 0.1 x rel_l2 tolerance
-    for rel_l2, its square for KL); counts and agreement fractions compare exactly."""
+    for rel_l2, its square for KL); counts, agreement fractions and infinities compare exactly; a
+    NaN is worse than any number."""
     thr = scn.thresholds
     note = ""
     if previous.suffix == ".json":
@@ -514,9 +515,12 @@ def compare_previous(scn: Scenario, current: Metrics, ref: str | os.PathLike, pr
 
 
 def _change(prev: float, cur: float, direction: str, floor: float | None, margin: float) -> str:
-    if floor is None:  # counts and agreement fractions: exact
-        if cur == prev:
-            return "same"
+    if math.isnan(prev) or math.isnan(cur):  # NaN: no number at all is worse than any
+        return "same" if math.isnan(prev) and math.isnan(cur) else \
+            "worse" if math.isnan(cur) else "better"
+    if cur == prev:  # also inf on both sides
+        return "same"
+    if floor is None or math.isinf(prev) or math.isinf(cur):  # exact: counts, fractions, inf
         better = cur < prev if direction == "lower" else cur > prev
         return "better" if better else "worse"
     if direction == "higher":  # cosine: compare the distance from 1
