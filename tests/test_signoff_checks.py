@@ -273,6 +273,8 @@ def test_change_of_infinite_and_nan_values():
     assert _change(0.99, math.nan, "higher", 1e-6, 0.25) == "worse"
     assert _change(math.nan, 0.99, "higher", 1e-6, 0.25) == "better"
     assert _change(math.nan, math.nan, "lower", 1e-6, 0.25) == "same"
+    assert _change(math.nan, 0.9, "higher", None, 0.25) == "better"  # exact metrics too
+    assert _change(0.9, math.nan, "higher", None, 0.25) == "worse"
 
 
 def _regress(prev: dict, cur: dict, tmp_path, meta=None, doc=None):
@@ -354,3 +356,16 @@ def test_environment_rows_read_every_source_and_tolerate_missing_sections():
     assert list(rows) == ["device", "driver", "CANN", "torch", "torch_npu", "vllm",
                           "vllm-ascend", "transformers", "dtype", "mode", "determinism", "seed"]
     assert set(rows.values()) == {("-", "-")}
+
+
+def test_environment_values_are_formatted_for_the_table():
+    from accucheck.signoff.run import _fmt, environment_rows
+
+    assert [_fmt(None), _fmt(""), _fmt({})] == ["-", "-", "-"]
+    assert _fmt({"b": 2, "a": None}) == "a=-, b=2"           # sorted, nested values formatted
+    assert _fmt([1, None, "x"]) == "1, -, x" and _fmt((0,)) == "0" and _fmt(0) == "0"
+    rows = {r.field: (r.ref, r.cand) for r in environment_rows(
+        {"determinism": {"seed_all": True, "algorithms": None}, "planted_fault": ""},
+        {"determinism": {}, "planted_fault": ""})}
+    assert rows["determinism"] == ("algorithms=-, seed_all=True", "-")
+    assert "planted fault" not in rows                      # "" on both sides: left out
