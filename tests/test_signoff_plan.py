@@ -1,0 +1,96 @@
+"""signoff.run's planning part (issue 16: tests that can fail): what `capture_only` and
+`signoff` refuse before anything is captured or written, and which tokens a captured run
+follows. The capture itself is replaced by a recorder of its arguments: milliseconds per test."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import accucheck.signoff.run as run
+from accucheck.errors import UserError
+from accucheck.signoff.run import capture_only, signoff
+from accucheck.signoff.scenario import RunSpec, Scenario
+from test_diff import base, write
+
+SCN = Scenario(None, "tiny-x", "", "@tiny", ("hi",), 2, RunSpec("reference"),
+               RunSpec("candidate"))
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """capture_run replaced: each call's (role, out, tokens_from) is appended, nothing runs."""
+    calls = []
+
+    def fake(scn, role, out, *, tokens_from=None, force=False, progress=None):
+        calls.append((role, out, tokens_from))
+        return out
+    monkeypatch.setattr(run, "capture_run", fake)
+    return calls
+
+
+def _refused(exit_code, text, fn, *args, **kw):
+    with pytest.raises(UserError) as e:
+        fn(*args, **kw)
+    assert (e.value.exit_code, str(e.value)) == (exit_code, text)
+
+
+def test_capture_only_refuses_what_it_cannot_capture(tmp_path, captured):
+    out = tmp_path / "o"
+    _refused(2, "--capture-only everything: use reference, candidate or golden",
+             capture_only, SCN, "everything", out)
+    _refused(3, "scenario tiny-x has no golden run: add a [golden] table to it, or capture "
+             "another role", capture_only, SCN, "golden", out)
+    given = tmp_path / "nope.h5"   # refused for being given, before it is opened
+    _refused(3, f"scenario tiny-x: the candidate is an existing capture ({given}), nothing to "
+             f"capture", capture_only, replace(SCN, candidate=RunSpec("candidate", given)),
+             "candidate", out)
+    _refused(2, "--capture-only reference with --ref: the reference is given, nothing to "
+             "capture", capture_only, SCN, "reference", out, ref=given)
+    assert captured == [] and not out.exists()
+
+
+def test_capture_only_does_not_check_the_previous_report(tmp_path, captured):
+    # the previous release only matters to a report: a broken one does not stop a capture
+    bad = tmp_path / "prev.json"
+    bad.write_text("{not json")
+    p = capture_only(replace(SCN, previous=bad), "reference", tmp_path / "o")
+    assert p == tmp_path / "o" / "captures" / "reference.h5"
+    assert captured == [("reference", p, None)]
+
+
+def test_capture_only_follows_the_given_references_tokens(tmp_path, captured):
+    ref = write(tmp_path / "ref.h5", base())
+    out = tmp_path / "o"
+    p = capture_only(SCN, "candidate", out, ref=ref)
+    assert captured[-1] == ("candidate", p, ref)       # teacher-forced on the given reference
+    free = replace(SCN, candidate=RunSpec("candidate", teacher_forcing=False))
+    capture_only(free, "candidate", out, ref=ref, force=True)
+    assert captured[-1] == ("candidate", p, None)      # teacher_forcing = false: its own tokens
+    capture_only(SCN, "candidate", out, force=True)
+    assert captured[-1] == ("candidate", p, None)      # no reference capture to follow
+
+
+def test_capture_only_refuses_an_existing_capture_without_force(tmp_path, captured):
+    target = tmp_path / "o" / "captures" / "reference.h5"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"keep")
+    _refused(3, f"{target} exists: choose another -o or pass --force to overwrite it",
+             capture_only, SCN, "reference", tmp_path / "o")
+    assert target.read_bytes() == b"keep" and captured == []
+
+
+def test_previous_inside_the_report_directory_is_refused(tmp_path, monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("captured")
+    monkeypatch.setattr(run, "capture_runs", never)
+    out = tmp_path / "o"
+    out.mkdir()
+    prev = out / "report.json"   # the report this sign-off would replace
+    prev.write_text(json.dumps({"schema": "accucheck.signoff", "scenario": {"name": "tiny-x"},
+                                "metrics": {}}))
+    _refused(2, f"--previous {prev.resolve()} is also an output of this sign-off ({prev}): an "
+             f"input is never an output; move it out of the way or choose another output",
+             signoff, SCN, previous=prev, out_dir=out, force=True)
+    assert json.loads(prev.read_text())["metrics"] == {}
