@@ -94,3 +94,16 @@ def test_previous_inside_the_report_directory_is_refused(tmp_path, monkeypatch):
              f"input is never an output; move it out of the way or choose another output",
              signoff, SCN, previous=prev, out_dir=out, force=True)
     assert json.loads(prev.read_text())["metrics"] == {}
+
+
+def test_capture_only_never_overwrites_the_previous_release(tmp_path, captured):
+    # the last release's candidate capture kept where this run's capture goes: refused, also
+    # with --force (capture-only does not read it, but would destroy it)
+    target = tmp_path / "o" / "captures" / "candidate.h5"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"last release")
+    _refused(2, f"--previous {target} is also an output of this sign-off ({target}): an input "
+             f"is never an output; move it out of the way or choose another output",
+             capture_only, replace(SCN, previous=target), "candidate", tmp_path / "o",
+             force=True)
+    assert target.read_bytes() == b"last release" and captured == []

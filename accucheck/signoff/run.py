@@ -136,7 +136,7 @@ def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], re
         outputs += [out / n for n in REPORT_FILES]
     inputs = {f"--{_ROLE_FLAG[r]}": scn.run(r).capture for r in ROLES
               if scn.run(r) is not None and scn.run(r).capture is not None}
-    if report and scn.previous is not None:
+    if scn.previous is not None:  # never overwritten, also not by --capture-only
         inputs["--previous"] = scn.previous
     if scenario_file is not None:
         inputs["the scenario"] = scenario_file
