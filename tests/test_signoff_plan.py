@@ -107,3 +107,51 @@ def test_capture_only_never_overwrites_the_previous_release(tmp_path, captured):
              capture_only, replace(SCN, previous=target), "candidate", tmp_path / "o",
              force=True)
     assert target.read_bytes() == b"last release" and captured == []
+
+
+@pytest.fixture
+def no_capture(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("captured")
+    monkeypatch.setattr(run, "capture_runs", never)
+
+
+def test_signoff_refuses_a_full_report_directory_unless_forced(tmp_path, no_capture):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _refused(3, f"report directory {out} is not empty: choose another --out-dir or pass --force "
+             f"to replace its report", signoff, SCN, out_dir=out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_signoff_refuses_a_scenario_file_inside_what_it_replaces(tmp_path, no_capture):
+    import shutil
+
+    from test_signoff_rules import ROOT
+
+    toml = tmp_path / "o" / "plots" / "s.toml"   # plots/ is replaced by the report
+    toml.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "scenarios" / "tiny-identical.toml", toml)
+    with pytest.raises(UserError) as e:
+        signoff(toml, out_dir=tmp_path / "o", force=True)
+    assert e.value.exit_code == 2 and str(e.value).startswith(
+        f"the scenario {toml} is also an output of this sign-off ({tmp_path / 'o' / 'plots'})")
+    assert toml.is_file()
+
+
+def test_signoff_without_prompts_refuses_before_making_the_report_directory(tmp_path):
+    out = tmp_path / "o"
+    _refused(3, "scenario tiny-x has no prompts: add prompts = [...] or prompts_file = \"...\", "
+             "or give existing captures (--ref / --cand)", signoff, replace(SCN, prompts=()),
+             out_dir=out)
+    assert not out.exists()
+
+
+def test_signoff_of_given_captures_makes_a_nested_report_directory(tmp_path):
+    t = base()
+    ref, cand = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t)
+    out = tmp_path / "reports" / "release" / "x"
+    r = signoff(SCN, ref=ref, cand=cand, out_dir=out)
+    assert r.out_dir == out and (out / "report.json").is_file()
+    assert json.loads((out / "report.json").read_text())["verdict"] == "pass"
