@@ -155,3 +155,55 @@ def test_signoff_of_given_captures_makes_a_nested_report_directory(tmp_path):
     r = signoff(SCN, ref=ref, cand=cand, out_dir=out)
     assert r.out_dir == out and (out / "report.json").is_file()
     assert json.loads((out / "report.json").read_text())["verdict"] == "pass"
+
+
+def _old_report(out):
+    out.mkdir()
+    (out / "report.md").write_text("old md")
+    (out / "report.json").write_text("old json")
+    (out / "plots").mkdir()
+    (out / "plots" / "a.png").write_text("old png")
+    (out / "mine.txt").write_text("not a report file")
+
+
+def _tree(out):
+    return {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_report_write_puts_the_old_report_back(tmp_path, monkeypatch):
+    import accucheck.report.signoff as rs
+
+    out = tmp_path / "o"
+    _old_report(out)
+    before = _tree(out)
+
+    def half(result, d):   # writes part of the new report, then fails
+        (d / "report.md").write_text("new md")
+        (d / "report.html").write_text("new html")
+        (d / "plots").mkdir()
+        raise OSError("disk full")
+    monkeypatch.setattr(rs, "write_report", half)
+    with pytest.raises(OSError, match="disk full"):
+        run.write_report_safely(None, out)
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == [
+        "mine.txt", "plots", "report.json", "report.md"]     # nothing left aside
+
+
+def test_a_failure_while_moving_the_old_report_aside_loses_nothing(tmp_path, monkeypatch):
+    import accucheck.report.signoff as rs
+
+    out = tmp_path / "o"
+    _old_report(out)
+    before = _tree(out)
+    real, n = run.os.replace, []
+
+    def second_fails(a, b):
+        n.append(a)
+        if len(n) == 2:   # report.json, after report.md was moved
+            raise PermissionError("busy")
+        return real(a, b)
+    monkeypatch.setattr(run.os, "replace", second_fails)
+    monkeypatch.setattr(rs, "write_report", lambda *a: pytest.fail("written"))
+    with pytest.raises(PermissionError):
+        run.write_report_safely(None, out)
+    assert _tree(out) == before        # the files not yet moved stay, the moved one is back

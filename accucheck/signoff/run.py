@@ -210,7 +210,7 @@ def write_report_safely(result: "SignoffResult", out: Path) -> None:
     except BaseException:
         for n in REPORT_FILES:  # what this failed write left
             p = out / n
-            if p in moved and not (aside / n).exists():
+            if p in old and p not in moved:  # an old file not moved aside yet: untouched
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
