@@ -181,11 +181,12 @@ def test_a_failed_report_write_puts_the_old_report_back(tmp_path, monkeypatch):
         (d / "report.md").write_text("new md")
         (d / "report.html").write_text("new html")
         (d / "plots").mkdir()
+        (d / "diff.json").symlink_to(d / "gone")   # a dangling link is removed too
         raise OSError("disk full")
     monkeypatch.setattr(rs, "write_report", half)
     with pytest.raises(OSError, match="disk full"):
         run.write_report_safely(None, out)
-    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == [
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == [  # no diff.json
         "mine.txt", "plots", "report.json", "report.md"]     # nothing left aside
 
 
