@@ -208,3 +208,29 @@ def test_a_failure_while_moving_the_old_report_aside_loses_nothing(tmp_path, mon
     with pytest.raises(PermissionError):
         run.write_report_safely(None, out)
     assert _tree(out) == before        # the files not yet moved stay, the moved one is back
+
+
+def test_an_old_dangling_link_is_replaced_not_followed(tmp_path, monkeypatch):
+    import accucheck.report.signoff as rs
+
+    out, elsewhere = tmp_path / "o", tmp_path / "elsewhere.json"
+    out.mkdir()
+    (out / "report.json").symlink_to(elsewhere)
+    monkeypatch.setattr(rs, "write_report",
+                        lambda result, d: (d / "report.json").write_text("new"))
+    run.write_report_safely(None, out)
+    p = out / "report.json"
+    assert not p.is_symlink() and p.read_text() == "new" and not elsewhere.exists()
+    assert [q.name for q in out.iterdir()] == ["report.json"]
+
+
+def test_capture_run_without_a_progress_callback(tmp_path, monkeypatch):
+    import accucheck.capture.api as api
+
+    seen = []
+    monkeypatch.setattr(api, "capture_dir", lambda model_dir, prompts, out, opts, **kw:
+                        seen.append((list(prompts), out, opts.tokens_from, opts.meta_extra)))
+    out = tmp_path / "c.h5"
+    assert run.capture_run(SCN, "candidate", out, tokens_from=tmp_path / "ref.h5") == out
+    assert seen == [(["hi"], out, str(tmp_path / "ref.h5"),
+                     {"signoff": {"scenario": "tiny-x", "role": "candidate"}})]

@@ -226,17 +226,12 @@ def write_report_safely(result: "SignoffResult", out: Path) -> None:
 
 
 def capture_runs(scn: Scenario, cap_dir: Path, *, force: bool = False,
-                 progress: Progress | None = None, only: str | None = None) -> dict[str, Path]:
+                 progress: Progress | None = None) -> dict[str, Path]:
     """Paths of the reference, candidate (and golden) captures, capturing those that the
     scenario describes as runs into `cap_dir` (reference first: the others follow its tokens).
-    `only`: capture just this role (e.g. the reference on the GPU box)."""
+    One role alone (e.g. the reference on the GPU box): `capture_only`."""
     out: dict[str, Path] = {}
-    roles = [r for r in ROLES if scn.run(r) is not None]
-    if only is not None:
-        if scn.run(only) is None:
-            raise UserError(f"scenario {scn.name} has no {only} run")
-        roles = [only]
-    for role in roles:
+    for role in (r for r in ROLES if scn.run(r) is not None):
         spec = scn.run(role)
         if spec.capture is not None:
             out[role] = spec.capture
