@@ -154,6 +154,9 @@ def test_signoff_of_given_captures_makes_a_nested_report_directory(tmp_path):
     out = tmp_path / "reports" / "release" / "x"
     r = signoff(SCN, ref=ref, cand=cand, out_dir=out)
     assert r.out_dir == out and (out / "report.json").is_file()
+    empty = tmp_path / "empty"   # an existing empty directory needs no --force
+    empty.mkdir()
+    assert signoff(SCN, ref=ref, cand=cand, out_dir=empty).passed
     assert json.loads((out / "report.json").read_text())["verdict"] == "pass"
 
 
@@ -176,10 +179,13 @@ def test_a_failed_report_write_puts_the_old_report_back(tmp_path, monkeypatch):
     out = tmp_path / "o"
     _old_report(out)
     before = _tree(out)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "x").write_text("x")
 
     def half(result, d):   # writes part of the new report, then fails
         (d / "report.md").write_text("new md")
-        (d / "report.html").write_text("new html")
+        (d / "report.html").symlink_to(keep, target_is_directory=True)  # a link, not its folder
         (d / "plots").mkdir()
         (d / "diff.json").symlink_to(d / "gone")   # a dangling link is removed too
         raise OSError("disk full")
@@ -188,6 +194,7 @@ def test_a_failed_report_write_puts_the_old_report_back(tmp_path, monkeypatch):
         run.write_report_safely(None, out)
     assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == [  # no diff.json
         "mine.txt", "plots", "report.json", "report.md"]     # nothing left aside
+    assert (keep / "x").read_text() == "x"
 
 
 def test_a_failure_while_moving_the_old_report_aside_loses_nothing(tmp_path, monkeypatch):

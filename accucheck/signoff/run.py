@@ -111,8 +111,7 @@ def capture_only(scn: Scenario, role: str, out_dir: str | os.PathLike, *,
         from accucheck.paths import check_output_file
 
         check_output_file(target, force)
-    tokens_from = s.reference.capture if role != "reference" and spec.teacher_forcing \
-        and s.reference is not None else None
+    tokens_from = s.reference.capture if role != "reference" and spec.teacher_forcing else None
     target.parent.mkdir(parents=True, exist_ok=True)
     return capture_run(s, role, target, tokens_from=tokens_from, force=force, progress=progress)
 
