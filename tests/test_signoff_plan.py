@@ -236,8 +236,15 @@ def test_capture_run_without_a_progress_callback(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(api, "capture_dir", lambda model_dir, prompts, out, opts, **kw:
-                        seen.append((list(prompts), out, opts.tokens_from, opts.meta_extra)))
+                        seen.append((list(prompts), out, opts.tokens_from, opts.force,
+                                     opts.meta_extra)))
     out = tmp_path / "c.h5"
     assert run.capture_run(SCN, "candidate", out, tokens_from=tmp_path / "ref.h5") == out
-    assert seen == [(["hi"], out, str(tmp_path / "ref.h5"),
+    assert seen == [(["hi"], out, str(tmp_path / "ref.h5"), False,   # no --force by default
                      {"signoff": {"scenario": "tiny-x", "role": "candidate"}})]
+    # called on its own (not through check_plan), it still refuses a run without prompts
+    _refused(3, "scenario tiny-x has no prompts: add prompts = [...] or prompts_file = \"...\", "
+             "or give existing captures (--ref / --cand)", run.capture_run,
+             replace(SCN, prompts=()), "candidate", out)
+    _refused(3, "scenario tiny-x has no golden run", run.capture_run, SCN, "golden", out)
+    assert len(seen) == 1
