@@ -127,9 +127,15 @@ def test_layers_10_after_layers_2(tmp_path):
                    "position_embeddings.1": "model.layers.0#0:in.position_embeddings.1"}
 
 
+def installed(model) -> int:
+    """Hooks and forward wrappers (instance `forward` attributes) on the model's modules."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__)
+               for m in model.modules())
+
+
 def test_hooks_removed_when_forward_raises(tiny, tmp_path):
     model, _ = tiny
-    n_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    n_before = installed(model)
     w = CaptureWriter(tmp_path / "a.h5", meta={})
     rec = Recorder(model, w, select_modules(model), record_inputs=True)
     def explode(*_):
@@ -137,15 +143,122 @@ def test_hooks_removed_when_forward_raises(tiny, tmp_path):
 
     with pytest.raises(RuntimeError, match="kernel failed"):
         with rec.hooks():
-            assert sum(len(m._forward_hooks) for m in model.modules()) > n_before
+            assert installed(model) >= n_before + len(select_modules(model))
             bomb = model.model.layers[2].mlp.register_forward_hook(explode)
             try:
                 model(input_ids=torch.tensor([[1, 2, 3]]))
             finally:
                 bomb.remove()
     w.close(complete=False)
-    n_after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert n_after == n_before
+    assert installed(model) == n_before
+
+
+def _records(path) -> list[tuple]:
+    with open_capture(path) as r:
+        return [(str(x.key), x.kind, x.dtype, x.shape, x.stats, x.checksum, x.extra)
+                for x in r.rows]
+
+
+@pytest.mark.parametrize("inputs", [False, True])
+def test_forward_wrappers_record_what_hooks_record(tiny, tmp_path, inputs):
+    """The eager forward wrappers (recorder module docstring) against the two hooks per module
+    they stand in for: the same records, statistics, checksums and links, step after step."""
+    model, _ = tiny
+    ids = torch.tensor([[5, 17, 9, 30, 2, 11]])
+    paths = []
+    for wrap in (True, False):
+        path = tmp_path / f"{wrap}.h5"
+        w = CaptureWriter(path, meta={})
+        rec = Recorder(model, w, select_modules(model), record_inputs=inputs)
+        rec._wrap_forward = wrap
+        with rec.hooks(), torch.no_grad():
+            wrapped = sum("forward" in m.__dict__ for m in model.modules())
+            assert wrapped == (len(select_modules(model)) if wrap else 0)
+            for step in range(2):
+                rec.begin_step(0, step)
+                out = model(input_ids=ids[:, :4 + step])
+                rec.end_step(out.logits)
+        w.close()
+        paths.append(path)
+    got, want = _records(paths[0]), _records(paths[1])
+    assert len(got) > 100 and got == want
+    assert sum('"src"' in r[-1] for r in got) > 30  # links were compared too
+
+
+def test_a_module_with_an_output_hook_keeps_hooks(tiny, tmp_path):
+    """A forward hook that replaces the output (a planted fault) runs after a wrapper: such a
+    module gets our two hooks, after it, and its record and the next module's link see the
+    replaced output. Modules without hooks are wrapped; every wrapper goes on exit."""
+    model, _ = tiny
+    mlp = model.model.layers[1].mlp
+    ids = torch.tensor([[5, 17, 9, 30]])
+    doubled = mlp.register_forward_hook(lambda _m, _a, out: out * 2)
+    seen = {}
+    try:
+        w = CaptureWriter(tmp_path / "a.h5", meta={})
+        rec = Recorder(model, w, select_modules(model))
+        with rec.hooks(), torch.no_grad():
+            assert "forward" not in mlp.__dict__ and len(mlp._forward_hooks) == 2
+            assert "forward" in mlp.down_proj.__dict__ and not mlp.down_proj._forward_hooks
+            final = mlp.register_forward_hook(lambda _m, _a, out: seen.setdefault("out", out))
+            rec.begin_step(0, 0)
+            model(input_ids=ids)
+            rec.end_step(None)
+            final.remove()
+        w.close()
+    finally:
+        doubled.remove()
+    assert installed(model) == 0
+    with open_capture(tmp_path / "a.h5") as r:
+        row = r.row("r0.s0:model.layers.1.mlp#0:out.0")
+        down = r.row("r0.s0:model.layers.1.mlp.down_proj#0:out.0")
+        layer = r.row("r0.s0:model.layers.1#0:out.0")
+    out = seen["out"]  # what the layer got: the doubled output
+    assert row.stats.max == pytest.approx(float(out.max()), rel=1e-6)
+    assert row.stats.max == pytest.approx(2 * down.stats.max, rel=1e-6)
+    assert row.checksum != down.checksum  # not down_proj's tensor any more
+    assert layer.checksum  # the layer block after it still recorded
+
+
+def test_forward_wrappers_restore_an_instance_forward(tiny, tmp_path):
+    """A module whose forward is already an instance attribute (accelerate's hooks do that) is
+    wrapped and gets exactly that attribute back; a wrapper wrapped again by someone else is
+    left in place and passes straight through."""
+    model, _ = tiny
+    proj = model.model.layers[0].mlp.up_proj
+    calls = []
+
+    def accelerate_like(x, _forward=proj.forward):
+        calls.append(1)
+        return _forward(x)
+
+    proj.forward = accelerate_like
+    norm = model.model.layers[0].input_layernorm
+    ids = torch.tensor([[5, 17, 9]])
+    try:
+        w = CaptureWriter(tmp_path / "a.h5", meta={})
+        rec = Recorder(model, w, select_modules(model))
+        with rec.hooks(), torch.no_grad():
+            assert proj.forward is not accelerate_like
+            ours = norm.forward
+            norm.forward = lambda x, _f=ours: _f(x)  # someone wraps our wrapper
+            rec.begin_step(0, 0)
+            model(input_ids=ids)
+            n = rec.end_step(None)
+        assert proj.__dict__["forward"] is accelerate_like and calls == [1]
+        assert "forward" in norm.__dict__  # theirs, kept
+        rec.begin_step(0, 1)
+        with torch.no_grad():
+            norm(torch.ones(1, 2, model.config.hidden_size))
+        assert rec._pending == []  # our wrapper inside theirs records nothing any more
+        w.close()
+        with open_capture(tmp_path / "a.h5") as r:
+            keys = {str(x.key) for x in r.rows}
+        assert n == len(keys) and "r0.s0:model.layers.0.mlp.up_proj#0:out.0" in keys
+        assert "r0.s0:model.layers.0.input_layernorm#0:out.0" in keys
+    finally:
+        proj.__dict__.pop("forward", None)
+        norm.__dict__.pop("forward", None)
 
 
 def test_user_model_is_not_modified(tiny, tmp_path):
@@ -157,6 +270,7 @@ def test_user_model_is_not_modified(tiny, tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not any("forward" in m.__dict__ for m in model.modules())  # wrappers put back
 
 
 def test_inputs_recorded_with_matching_call_index(tiny, tmp_path):

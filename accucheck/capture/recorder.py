@@ -6,6 +6,18 @@ Hooks are a scoped resource: `Recorder.hooks()` registers them, keeps every hand
 them in `finally`, also when forward raises. The user's model is never modified beyond the
 hooks (which are removed) and tensors are copied before anything else sees them.
 
+Eager module records (`Recorder`, not its op / shadow subclasses) come from a forward wrapper
+instead of two nn.Module hooks where that is equivalent: the module's `forward` instance
+attribute is replaced while `hooks()` is open and put back on exit (a wrapper that someone
+else wrapped again in the meantime is left in place and passes straight through). A module
+without hooks of any kind is called on nn.Module's fast path: the wrapper costs a Python call,
+two hooks cost their dispatch, 0.05x of a seq-64 forward of the tiny Llama against 0.005x
+(bench/bench_capture.py). The wrapper sees the call's inputs after every forward pre-hook and
+its output before any forward hook, which is what our own hooks saw when they were the last
+ones registered; a module that already has forward hooks when `hooks()` opens (a planted
+fault replacing the output, a user's hook), a TorchScript module, and every module while a
+global forward hook is registered, get the two hooks as before.
+
 Producer links (eager mode): every recorded tensor is remembered for the rest of the step by
 its storage identity, `(untyped_storage().data_ptr(), _version)`, with a weak reference to the
 storage (a freed storage never matches, even when a new tensor reuses its address; nothing is
@@ -56,6 +68,7 @@ name the tap says).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -375,6 +388,39 @@ def call_slots(args: tuple, kwargs: dict | None) -> list[tuple[str, torch.Tensor
     return out
 
 
+def _can_wrap(mod: nn.Module) -> bool:
+    """Whether a forward wrapper sees what our hooks would (module docstring): no forward hook
+    on `mod` or registered globally (it could replace the output after the wrapper returned),
+    not TorchScript (its forward cannot be replaced)."""
+    from torch.nn.modules import module as _m
+
+    return not (mod._forward_hooks or _m._global_forward_hooks
+                or isinstance(mod, torch.jit.ScriptModule))
+
+
+class _ForwardWrap:
+    """The handle of one forward wrapper (`Recorder.hooks`): `remove()` puts the module's own
+    `forward` back, the instance attribute it had (accelerate's, say) or none. A wrapper that
+    was wrapped again meanwhile cannot be taken out: it is switched to pass straight through."""
+
+    def __init__(self, mod: nn.Module, wrapper_and_live: tuple) -> None:
+        self.mod = mod
+        self.had = "forward" in mod.__dict__
+        self.old = mod.__dict__.get("forward")
+        self.wrapper, self.live = wrapper_and_live
+        mod.forward = self.wrapper
+
+    def remove(self) -> None:
+        d = self.mod.__dict__
+        if d.get("forward") is self.wrapper:
+            if self.had:
+                d["forward"] = self.old
+            else:
+                del d["forward"]
+        else:
+            self.live[0] = False
+
+
 class Recorder:
     """Records module outputs (and inputs) of one model into a CaptureWriter.
 
@@ -397,6 +443,7 @@ class Recorder:
     """
 
     _merged_exit = True
+    _wrap_forward = True  # eager, merged exit: a forward wrapper where equivalent (module doc)
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
@@ -678,32 +725,20 @@ class Recorder:
                                             tensor=t.detach().clone()))
             return hook_graph
 
-        stack, calls, link, outputs = self._stack, self._calls, self.link_inputs, self.outputs
+        stack, closed, open_call = self._stack, self._closed, self._open_call
         if role == "in":
-            every, link_one = self.record_inputs, self._link_one
             def enter_eager(_mod, args, kwargs):
                 if self._pause:
                     return None
-                call = calls.get(name, 0)
-                calls[name] = call + 1
-                if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                    if not every:  # a leaf module's usual call
-                        stack.append(_Frame(name, call, link_one(args[0], name, call)))
-                        return None
-                    slots = [("0", args[0])]
-                else:
-                    slots = call_slots(args, kwargs)
-                src, ins = link(slots, name, call)
-                if ins:
-                    pending.extend(ins)
-                stack.append(_Frame(name, call, src))
+                stack.append(_Frame(name, *open_call(name, args, kwargs)))
                 return None
             return enter_eager
 
-        closed = self._closed
         if self._merged_exit:
             # one always-called hook closes the call's frame (also when forward raises: then
             # `out` is None) and records the outputs
+            close_call = self._close_call
+
             def exit_out_eager(_mod, _args, out):
                 if self._pause:
                     return None
@@ -713,17 +748,12 @@ class Recorder:
                     frame = self.pop_frame(name)
                     if frame is None:
                         return None
-                if isinstance(out, torch.Tensor):
-                    pending.append(one(out, name, frame.call, frame.src))
-                elif out is not None:
-                    slots = flatten(out)
-                    if len(slots) == 1 and slots[0][0] == "0":  # (attn_output, None)
-                        pending.append(one(slots[0][1], name, frame.call, frame.src))
-                    else:
-                        pending.extend(outputs(slots, name, frame.call, frame.src))
+                if out is not None:
+                    close_call(out, name, frame.call, frame.src)
                 return None
-            one = self._one_output
             return exit_out_eager
+
+        outputs = self.outputs
 
         def out_eager(_mod, _args, out):
             if self._pause:
@@ -735,6 +765,52 @@ class Recorder:
                                    else flatten(out), name, frame.call, frame.src))
             return None
         return out_eager
+
+    def _open_call(self, name: str, args: tuple, kwargs: dict | None) -> tuple[int, dict | None]:
+        """A call of selected module `name` begins (eager): its call index, and the producer
+        links of its inputs (the "in" records it needs go to the step)."""
+        calls = self._calls
+        call = calls.get(name, 0)
+        calls[name] = call + 1
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) \
+                and not self.record_inputs:  # a leaf module's usual call
+            return call, self._link_one(args[0], name, call)
+        src, ins = self.link_inputs(call_slots(args, kwargs), name, call)
+        if ins:
+            self._pending.extend(ins)
+        return call, src
+
+    def _close_call(self, out: Any, name: str, call: int, src: dict | None) -> None:
+        """A call opened by `_open_call` returned `out` (not None): its output records."""
+        if isinstance(out, torch.Tensor):
+            self._pending.append(self._one_output(out, name, call, src))
+            return
+        slots = flatten(out)
+        if len(slots) == 1 and slots[0][0] == "0":  # (attn_output, None)
+            self._pending.append(self._one_output(slots[0][1], name, call, src))
+        else:
+            self._pending.extend(self.outputs(slots, name, call, src))
+
+    def _wrapped_forward(self, name: str, mod: nn.Module):
+        """Eager, merged exit: `mod.forward` wrapped to do what the pre-hook `enter_eager` and
+        the forward hook `exit_out_eager` of `_make_hook` do, in one Python call (no frame on
+        the stack: the call index and links are locals; a forward that raises records
+        nothing). Paused when called: nothing is recorded. Returns the wrapper and its switch
+        (`[True]`; False: pass straight through)."""
+        forward = mod.forward
+        open_call, close_call = self._open_call, self._close_call
+        live = [True]  # False: left wrapped by someone else after hooks() closed (_ForwardWrap)
+
+        @functools.wraps(forward)
+        def recorded_forward(*args, **kwargs):
+            if self._pause or not live[0]:
+                return forward(*args, **kwargs)
+            call, src = open_call(name, args, kwargs)
+            out = forward(*args, **kwargs)
+            if out is not None:
+                close_call(out, name, call, src)
+            return out
+        return recorded_forward, live
 
     def _exit_hook(self, name: str):
         """Closes the call's frame (also when forward raises), before the output hooks run."""
@@ -779,6 +855,10 @@ class Recorder:
                                     mod.register_forward_hook(self._tap_hook(tap)))
             for name in (self.modules if not (self.graph and self.taps is not None) else ()):
                 mod = by_name[name]
+                if not self.graph and self._merged_exit and self._wrap_forward \
+                        and _can_wrap(mod):
+                    self.handles.append(_ForwardWrap(mod, self._wrapped_forward(name, mod)))
+                    continue
                 if self.record_inputs or not self.graph:
                     self.handles.append(mod.register_forward_pre_hook(
                         self._make_hook(name, "in"), with_kwargs=True))
