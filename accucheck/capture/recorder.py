@@ -429,8 +429,10 @@ class Recorder:
     the module docstring). Statistics: accucheck.capture.stats (`stats_kernel`: "c" / "torch"
     for CPU tensors, default the C kernel when it builds).
 
-    Eager hooks per selected module: a pre-hook (call index, input links, "in" records) and one
-    always-called forward hook that closes the call and records its outputs. Subclasses that
+    Eager, per selected module: a forward wrapper (`_wrapped_forward`, see the module
+    docstring for when), else a pre-hook (call index, input links, "in" records) and one
+    always-called forward hook that closes the call and records its outputs; both go through
+    `_open_call` / `_close_call`. Subclasses that
     attribute work to the innermost open call (the op and shadow recorders) set
     `_merged_exit = False`: a separate exit hook, prepended, closes the call before any other
     forward hook runs (a planted fault's ops are then not the module's).
@@ -438,8 +440,8 @@ class Recorder:
     Cost (bench/bench_capture.py): at short sequences a record costs Python, not bandwidth. The
     usual calls take fast paths with the same result as the general ones: one tensor in
     (`_link_one`) or out (`_one_output`), a storage with a single entry; the step's records
-    reach the writer in one `add_rows` call. The pre-hook stays separate from the forward hook:
-    links and "in" statistics must see the inputs before forward can change them in place.
+    reach the writer in one `add_rows` call. Links and "in" statistics are taken before forward
+    runs (the wrapper's first half, or the pre-hook): forward may change its inputs in place.
     """
 
     _merged_exit = True
