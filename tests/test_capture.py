@@ -220,6 +220,53 @@ def test_a_module_with_an_output_hook_keeps_hooks(tiny, tmp_path):
     assert layer.checksum  # the layer block after it still recorded
 
 
+def test_a_global_forward_hook_gives_every_module_hooks(tiny, tmp_path):
+    """A global forward hook (torch.nn.modules.module.register_module_forward_hook) may replace
+    any module's output after a wrapper returned: with one registered, no module is wrapped,
+    and the record of a module whose output it replaces is the replaced output."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model, _ = tiny
+    act = model.model.layers[0].mlp.act_fn
+    glob = register_module_forward_hook(lambda m, _a, out: out + 1 if m is act else None)
+    try:
+        w = CaptureWriter(tmp_path / "a.h5", meta={})
+        rec = Recorder(model, w, select_modules(model))
+        with rec.hooks(), torch.no_grad():
+            assert not any("forward" in m.__dict__ for m in model.modules())
+            rec.begin_step(0, 0)
+            model(input_ids=torch.tensor([[5, 17, 9]]))
+            rec.end_step(None)
+        w.close()
+    finally:
+        glob.remove()
+    with open_capture(tmp_path / "a.h5") as r:
+        out = r.row("r0.s0:model.layers.0.mlp.act_fn#0:out.0").stats
+        gate = r.row("r0.s0:model.layers.0.mlp.gate_proj#0:out.0").stats
+    # silu(x) + 1 > 1 - 0.2785 (silu's minimum): the hook's +1 is in the record
+    assert out.min > 0.7 and gate.min < 0
+
+
+def test_a_torchscript_module_called_from_python_is_recorded(tmp_path):
+    """TorchScript modules take no hooks; a forward wrapper records them, and their own
+    script method is theirs again afterwards."""
+    lin = torch.jit.script(torch.nn.Linear(4, 3))
+    model = torch.nn.Sequential(lin, torch.nn.ReLU())
+    own = lin.__dict__["forward"]
+    w = CaptureWriter(tmp_path / "a.h5", meta={})
+    rec = Recorder(model, w, ["0", "1"])
+    with rec.hooks(), torch.no_grad():
+        rec.begin_step(0, 0)
+        y = model(torch.ones(2, 4))
+        rec.end_step(None)
+    w.close()
+    assert lin.__dict__["forward"] is own
+    with open_capture(tmp_path / "a.h5") as r:
+        keys = [str(x.key) for x in r.rows]
+        assert r.row("r0.s0:1#0:out.0").stats.max == pytest.approx(float(y.max()))
+    assert keys == ["r0.s0:0#0:in.0", "r0.s0:0#0:out.0", "r0.s0:1#0:out.0"]  # in: made outside
+
+
 def test_forward_wrappers_restore_an_instance_forward(tiny, tmp_path):
     """A module whose forward is already an instance attribute (accelerate's hooks do that) is
     wrapped and gets exactly that attribute back; a wrapper wrapped again by someone else is

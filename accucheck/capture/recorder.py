@@ -15,8 +15,9 @@ two hooks cost their dispatch, 0.05x of a seq-64 forward of the tiny Llama again
 (bench/bench_capture.py). The wrapper sees the call's inputs after every forward pre-hook and
 its output before any forward hook, which is what our own hooks saw when they were the last
 ones registered; a module that already has forward hooks when `hooks()` opens (a planted
-fault replacing the output, a user's hook), a TorchScript module, and every module while a
-global forward hook is registered, get the two hooks as before.
+fault replacing the output, a user's hook), and every module while a global forward hook is
+registered, get the two hooks as before. A TorchScript module called from Python is wrapped
+too (it takes no hooks); called from inside TorchScript, it records nothing.
 
 Producer links (eager mode): every recorded tensor is remembered for the rest of the step by
 its storage identity, `(untyped_storage().data_ptr(), _version)`, with a weak reference to the
@@ -390,12 +391,10 @@ def call_slots(args: tuple, kwargs: dict | None) -> list[tuple[str, torch.Tensor
 
 def _can_wrap(mod: nn.Module) -> bool:
     """Whether a forward wrapper sees what our hooks would (module docstring): no forward hook
-    on `mod` or registered globally (it could replace the output after the wrapper returned),
-    not TorchScript (its forward cannot be replaced)."""
+    on `mod` or registered globally (it could replace the output after the wrapper returned)."""
     from torch.nn.modules import module as _m
 
-    return not (mod._forward_hooks or _m._global_forward_hooks
-                or isinstance(mod, torch.jit.ScriptModule))
+    return not (mod._forward_hooks or _m._global_forward_hooks)
 
 
 class _ForwardWrap:
