@@ -258,3 +258,62 @@ def test_graph_mode_stores_no_links_and_no_extra_inputs(tiny, tmp_path):
     with open_capture(tmp_path / "g.h5") as r:
         assert not [row for row in r.rows if row.key.role == "in" or row.extra]
         assert "r0.s0:model.layers.0.mlp.down_proj#0:out.0" in r
+
+
+class Add(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class Scale(nn.Module):
+    def forward(self, k, x):
+        return x * k
+
+
+class Cat(nn.Module):
+    def forward(self, pair):
+        return torch.cat(pair, -1)
+
+
+class Reuse(nn.Module):
+    """One Linear called twice in a step, a module of two tensor arguments, one whose first
+    argument is a number and one whose only argument is a tuple: call indices and links of
+    every positional argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.add, self.scale, self.cat = nn.Linear(8, 8), Add(), Scale(), Cat()
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = self.lin(a)
+        return self.scale(0.5, self.add(a, b)), self.cat((a, b))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_repeated_calls_and_positional_arguments_link(tmp_path, wrap):
+    from accucheck.capture.recorder import Recorder
+    from accucheck.store import CaptureWriter
+
+    torch.manual_seed(0)
+    net = Reuse().eval()
+    w = CaptureWriter(tmp_path / "r.h5", meta={})
+    rec = Recorder(net, w, ["lin", "add", "scale", "cat"])
+    rec._wrap_forward = wrap
+    with rec.hooks(), torch.no_grad():
+        for step in range(2):
+            rec.begin_step(0, step)
+            net(torch.randn(3, 8))
+            rec.end_step(None)
+    w.close()
+    with open_capture(tmp_path / "r.h5") as r:
+        for s in (0, 1):
+            p = f"r0.s{s}:"
+            assert [str(x.key)[len(p):] for x in r.rows if str(x.key).startswith(p)] == [
+                "lin#0:in.0", "lin#0:out.0", "lin#1:out.0", "add#0:out.0", "scale#0:out.0",
+                "cat#0:out.0"]
+            assert src_of(r, p + "lin#0:out.0") == {}  # its input is its own "in" record
+            assert src_of(r, p + "lin#1:out.0") == {"0": "lin#0:out.0"}
+            assert src_of(r, p + "add#0:out.0") == {"0": "lin#0:out.0", "1": "lin#1:out.0"}
+            assert src_of(r, p + "scale#0:out.0") == {"1": "add#0:out.0"}
+            assert src_of(r, p + "cat#0:out.0") == {"0.0": "lin#0:out.0", "0.1": "lin#1:out.0"}
