@@ -270,6 +270,11 @@ class Scale(nn.Module):
         return x * k
 
 
+class Second(nn.Module):
+    def forward(self, x):
+        return None, x * 2
+
+
 class Cat(nn.Module):
     def forward(self, pair):
         return torch.cat(pair, -1)
@@ -277,17 +282,19 @@ class Cat(nn.Module):
 
 class Reuse(nn.Module):
     """One Linear called twice in a step, a module of two tensor arguments, one whose first
-    argument is a number and one whose only argument is a tuple: call indices and links of
-    every positional argument."""
+    argument is a number, one whose only argument is a tuple and one whose only output is the
+    second of a tuple: call indices, output slots and links of every positional argument."""
 
     def __init__(self):
         super().__init__()
         self.lin, self.add, self.scale, self.cat = nn.Linear(8, 8), Add(), Scale(), Cat()
+        self.second = Second()
 
     def forward(self, x):
         a = self.lin(x)
         b = self.lin(a)
-        return self.scale(0.5, self.add(a, b)), self.cat((a, b))
+        _, c = self.second(b)
+        return self.scale(0.5, self.add(a, c)), self.cat((a, b))
 
 
 @pytest.mark.parametrize("wrap", [True, False])
@@ -298,7 +305,7 @@ def test_repeated_calls_and_positional_arguments_link(tmp_path, wrap):
     torch.manual_seed(0)
     net = Reuse().eval()
     w = CaptureWriter(tmp_path / "r.h5", meta={})
-    rec = Recorder(net, w, ["lin", "add", "scale", "cat"])
+    rec = Recorder(net, w, ["lin", "add", "scale", "cat", "second"])
     rec._wrap_forward = wrap
     with rec.hooks(), torch.no_grad():
         for step in range(2):
@@ -310,10 +317,11 @@ def test_repeated_calls_and_positional_arguments_link(tmp_path, wrap):
         for s in (0, 1):
             p = f"r0.s{s}:"
             assert [str(x.key)[len(p):] for x in r.rows if str(x.key).startswith(p)] == [
-                "lin#0:in.0", "lin#0:out.0", "lin#1:out.0", "add#0:out.0", "scale#0:out.0",
-                "cat#0:out.0"]
+                "lin#0:in.0", "lin#0:out.0", "lin#1:out.0", "second#0:out.1", "add#0:out.0",
+                "scale#0:out.0", "cat#0:out.0"]
             assert src_of(r, p + "lin#0:out.0") == {}  # its input is its own "in" record
             assert src_of(r, p + "lin#1:out.0") == {"0": "lin#0:out.0"}
-            assert src_of(r, p + "add#0:out.0") == {"0": "lin#0:out.0", "1": "lin#1:out.0"}
+            assert src_of(r, p + "second#0:out.1") == {"0": "lin#1:out.0"}
+            assert src_of(r, p + "add#0:out.0") == {"0": "lin#0:out.0", "1": "second#0:out.1"}
             assert src_of(r, p + "scale#0:out.0") == {"1": "add#0:out.0"}
             assert src_of(r, p + "cat#0:out.0") == {"0.0": "lin#0:out.0", "0.1": "lin#1:out.0"}
