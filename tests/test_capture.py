@@ -220,6 +220,26 @@ def test_a_module_with_an_output_hook_keeps_hooks(tiny, tmp_path):
     assert layer.checksum  # the layer block after it still recorded
 
 
+def test_nothing_is_recorded_while_paused(tiny, tmp_path):
+    """Paused (shadow replays, the recorder's own work), a wrapped model computes what it
+    computes unhooked and records nothing; unpaused, the same step records."""
+    model, _ = tiny
+    ids = torch.tensor([[5, 17, 9]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    w = CaptureWriter(tmp_path / "a.h5", meta={})
+    rec = Recorder(model, w, select_modules(model))
+    with rec.hooks(), torch.no_grad():
+        rec.begin_step(0, 0)
+        with rec.paused():
+            got = model(input_ids=ids).logits
+        assert rec._pending == [] and rec._calls == {}
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        model(input_ids=ids)
+        assert rec.end_step(None) > 60
+    w.close()
+
+
 def test_a_global_forward_hook_gives_every_module_hooks(tiny, tmp_path):
     """A global forward hook (torch.nn.modules.module.register_module_forward_hook) may replace
     any module's output after a wrapper returned: with one registered, no module is wrapped,
@@ -295,9 +315,11 @@ def test_forward_wrappers_restore_an_instance_forward(tiny, tmp_path):
         assert proj.__dict__["forward"] is accelerate_like and calls == [1]
         assert "forward" in norm.__dict__  # theirs, kept
         rec.begin_step(0, 1)
+        x = torch.ones(1, 2, model.config.hidden_size)
         with torch.no_grad():
-            norm(torch.ones(1, 2, model.config.hidden_size))
+            y = norm(x)
         assert rec._pending == []  # our wrapper inside theirs records nothing any more
+        assert torch.equal(y, type(norm).forward(norm, x))
         w.close()
         with open_capture(tmp_path / "a.h5") as r:
             keys = {str(x.key) for x in r.rows}
