@@ -267,6 +267,7 @@ def test_a_global_forward_hook_gives_every_module_hooks(tiny, tmp_path):
     assert out.min > 0.7 and gate.min < 0
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_torchscript_module_called_from_python_is_recorded(tmp_path):
     """TorchScript modules take no hooks; a forward wrapper records them, and their own
     script method is theirs again afterwards."""

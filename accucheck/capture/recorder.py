@@ -4,15 +4,16 @@ Imports torch, accucheck.keys and accucheck.store (never h5py directly).
 
 Hooks are a scoped resource: `Recorder.hooks()` registers them, keeps every handle and removes
 them in `finally`, also when forward raises. The user's model is never modified beyond the
-hooks (which are removed) and tensors are copied before anything else sees them.
+hooks and forward wrappers (which are removed) and tensors are copied before anything else
+sees them.
 
 Eager module records (`Recorder`, not its op / shadow subclasses) come from a forward wrapper
 instead of two nn.Module hooks where that is equivalent: the module's `forward` instance
 attribute is replaced while `hooks()` is open and put back on exit (a wrapper that someone
 else wrapped again in the meantime is left in place and passes straight through). A module
-without hooks of any kind is called on nn.Module's fast path: the wrapper costs a Python call,
-two hooks cost their dispatch, 0.05x of a seq-64 forward of the tiny Llama against 0.005x
-(bench/bench_capture.py). The wrapper sees the call's inputs after every forward pre-hook and
+without hooks of any kind is called on nn.Module's fast path, so the wrapper costs one Python
+call: 0.005x of a seq-64 forward of the tiny Llama, where the dispatch of two hooks costs 0.05x
+(bench/bench_capture.py's model, every module). The wrapper sees the call's inputs after every forward pre-hook and
 its output before any forward hook, which is what our own hooks saw when they were the last
 ones registered; a module that already has forward hooks when `hooks()` opens (a planted
 fault replacing the output, a user's hook), and every module while a global forward hook is
@@ -402,12 +403,11 @@ class _ForwardWrap:
     `forward` back, the instance attribute it had (accelerate's, say) or none. A wrapper that
     was wrapped again meanwhile cannot be taken out: it is switched to pass straight through."""
 
-    def __init__(self, mod: nn.Module, wrapper_and_live: tuple) -> None:
-        self.mod = mod
+    def __init__(self, mod: nn.Module, wrapper, live: list) -> None:
+        self.mod, self.wrapper, self.live = mod, wrapper, live
         self.had = "forward" in mod.__dict__
         self.old = mod.__dict__.get("forward")
-        self.wrapper, self.live = wrapper_and_live
-        mod.forward = self.wrapper
+        mod.forward = wrapper
 
     def remove(self) -> None:
         d = self.mod.__dict__
@@ -858,7 +858,7 @@ class Recorder:
                 mod = by_name[name]
                 if not self.graph and self._merged_exit and self._wrap_forward \
                         and _can_wrap(mod):
-                    self.handles.append(_ForwardWrap(mod, self._wrapped_forward(name, mod)))
+                    self.handles.append(_ForwardWrap(mod, *self._wrapped_forward(name, mod)))
                     continue
                 if self.record_inputs or not self.graph:
                     self.handles.append(mod.register_forward_pre_hook(
