@@ -13,6 +13,17 @@ the module's input), so it is removed cleanly and the weights are untouched. Imp
                        activation kernel); for act modules (mlp.act_fn)
     act:gelu_tanh      recompute GELU with the tanh approximation; for GELU act modules
 
+Graded faults (the error grows linearly with D, so a fault can be sized to a multiple of a
+record's natural noise; bench/bench_control.py does):
+
+    norm:part:D        recompute an RMSNorm whose variance moves by D toward the variance of
+                       the first quarter of the hidden size (a kernel that reduces over part of
+                       the row); for RMSNorm modules (weight + variance_epsilon / eps)
+    tile:D             recompute a Linear whose first 64 input features (one K tile) add in
+                       with weight (1 + D) (a tile accumulated with a wrong scale); nn.Linear
+    act:slope:D        recompute SiLU as x * sigmoid((1 + D) x) (a wrong constant inside an
+                       activation kernel); for act modules
+
 Op-level faults (inside `module`, every call of one operator computes differently; the fault
 acts at the dispatcher, below accucheck's op recorder, so an op-level capture sees one op with a
 faulty output, exactly like a faulty device kernel):
@@ -22,8 +33,13 @@ faulty output, exactly like a faulty device kernel):
                               op:aten.silu:fp16, op:aten._softmax:bf16, op:aten.mm:bf16
     op:OP:tanh                OP (aten.gelu) with approximate="tanh" (another GELU approximation)
     op:OP:scale:F             OP's output times F (e.g. a wrong epsilon / scale constant)
+    op:OP:inscale:F           OP on its first argument times F: a softmax with a wrong scale
+                              (op:aten._softmax:inscale:1.01 inside self_attn: the attention
+                              core, which no module record covers), rotary angles off by a
+                              factor (op:aten.cos|aten.sin:inscale:1.001 inside rotary_emb)
 
-OP is the operator with or without overload ("aten.mm" or "aten.mm.default").
+OP is the operator with or without overload ("aten.mm" or "aten.mm.default"), or several
+joined by "|".
 """
 from __future__ import annotations
 
@@ -36,7 +52,9 @@ from torch import nn
 from accucheck.errors import UserError
 
 FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "acc:bf16:K", "act:silu_fast", "act:gelu_tanh",
-          "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F")
+          "norm:part:D", "tile:D", "act:slope:D",
+          "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F", "op:OP:inscale:F")
+TILE = 64  # input features of the tile `tile:D` mis-scales
 
 
 def _transform(fault: str, seed: int):
@@ -65,6 +83,15 @@ def _transform(fault: str, seed: int):
         return lambda x, t: x * torch.sigmoid(x.to(torch.float16)).to(x.dtype)
     if fault == "act:gelu_tanh":
         return lambda x, t: torch.nn.functional.gelu(x, approximate="tanh")
+    if name in ("norm", "tile") or fault.startswith("act:slope:"):
+        try:
+            d = float(fault.rsplit(":", 1)[1])
+        except ValueError:
+            raise UserError(f"fault {fault!r}: D must be a number") from None
+        if fault.startswith("act:slope:"):
+            return lambda x, t: (x * torch.sigmoid((1 + d) * x)).to(t.dtype)
+        if fault.startswith("norm:part:") or name == "tile":
+            return (name, d)
     raise UserError(f"unknown fault {fault!r}: use one of {', '.join(FAULTS)}")
 
 
@@ -79,8 +106,9 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
             yield
         return
     fn = _transform(fault, seed)
-    if isinstance(fn, tuple):  # acc:bf16:K needs the module's weights
-        fn = _bf16_accumulation(mods[module], module, fn[1])
+    if isinstance(fn, tuple):  # these need the module's weights
+        fn = {"acc": _bf16_accumulation, "norm": _partial_norm, "tile": _tile_scale}[fn[0]](
+            mods[module], module, fn[1])
 
     def hook(_mod, args, out):
         x = args[0] if args else None
@@ -114,11 +142,36 @@ def _bf16_accumulation(mod: nn.Module, name: str, chunk: int):
     return acc
 
 
+def _partial_norm(mod: nn.Module, name: str, d: float):
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    if getattr(mod, "weight", None) is None or not isinstance(eps, float):
+        raise UserError(f"fault norm:part needs an RMSNorm (weight, variance_epsilon); {name} is "
+                        f"{type(mod).__name__}")
+
+    def norm(x, t):
+        h = x.float()
+        var = h.pow(2).mean(-1, keepdim=True)
+        part = h[..., : h.shape[-1] // 4].pow(2).mean(-1, keepdim=True)
+        out = h * torch.rsqrt(var + d * (part - var) + eps)
+        return (mod.weight * out.to(x.dtype)).to(t.dtype)
+    return norm
+
+
+def _tile_scale(mod: nn.Module, name: str, d: float):
+    if not isinstance(mod, nn.Linear):
+        raise UserError(f"fault tile needs an nn.Linear; {name} is {type(mod).__name__}")
+
+    def tile(x, t):
+        extra = x[..., :TILE].float() @ mod.weight[:, :TILE].float().t()
+        return (t.float() + d * extra).to(t.dtype)
+    return tile
+
+
 def _op_fault(fault: str):
     """(operator name, how) -> a function (func, args, kwargs) -> faulty output."""
     _, op, how = (fault.split(":", 2) + ["", ""])[:3]
     if not op or not how:
-        raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F")
+        raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F|inscale:F")
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(how)
     if low is not None:
         def reduced(func, args, kwargs):
@@ -145,7 +198,10 @@ def _op_fault(fault: str):
     if how.startswith("scale:"):
         f = float(how.split(":", 1)[1])
         return op, lambda func, args, kwargs: func(*args, **kwargs) * f
-    raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F")
+    if how.startswith("inscale:"):
+        f = float(how.split(":", 1)[1])
+        return op, lambda func, args, kwargs: func(args[0] * f, *args[1:], **kwargs)
+    raise UserError(f"op fault {fault!r}: use op:OP:bf16|fp16|tanh|scale:F|inscale:F")
 
 
 @contextmanager
@@ -155,9 +211,11 @@ def _planted_op(mod: nn.Module, fault: str) -> Iterator[None]:
     op, fn = _op_fault(fault)
     depth = [0]
 
+    wanted = set(op.split("|"))
+
     def matches(func) -> bool:
         name = str(func)
-        return name == op or name.rsplit(".", 1)[0] == op
+        return name in wanted or name.rsplit(".", 1)[0] in wanted
 
     class _FaultMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -180,3 +238,52 @@ def _planted_op(mod: nn.Module, fault: str) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+# ----------------------------------------------------------------------------- dither
+# Rounding ops whose last bit depends on the kernel (accumulation order, fused or not, how an
+# exp / rsqrt is approximated): what another device's bf16 kernels change. Views, copies,
+# casts, concatenation, indexing and embedding lookups are exact everywhere and left alone.
+DITHER_OPS = frozenset({
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.mul", "aten.add", "aten.sub",
+    "aten.div", "aten.rsqrt", "aten.sqrt", "aten.pow", "aten.mean", "aten.sum", "aten.silu",
+    "aten.gelu", "aten._softmax", "aten.exp", "aten.cos", "aten.sin", "aten.tanh",
+    "aten.sigmoid", "aten._scaled_dot_product_flash_attention_for_cpu",
+})
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@contextmanager
+def dithered(seed: int, p: float = 0.25) -> Iterator[None]:
+    """While active, every rounding op (DITHER_OPS) of a bfloat16 / float16 / float32 output
+    moves each finite non-zero element of its output by one ULP up or down with probability
+    `p` (seeded): the last-bit differences another device's kernels make. Two runs with other
+    seeds are two devices of the same precision: what a control run and a clean candidate
+    look like to each other (bench/bench_control.py). Acts at the dispatcher, under any planted
+    fault and under accucheck's op recorder; statistics are taken outside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not 0 <= p <= 1:
+        raise UserError(f"dither probability {p} must be in [0, 1]")
+    gen = torch.Generator().manual_seed(seed)
+
+    def flip(t):
+        iv = _INT_VIEW.get(t.dtype) if isinstance(t, torch.Tensor) else None
+        if iv is None or t.numel() == 0:
+            return t
+        u = torch.rand(t.shape, generator=gen).to(t.device)
+        step = torch.where(u < p / 2, -1, torch.where(u < p, 1, 0)).to(iv)
+        step = torch.where(torch.isfinite(t) & (t != 0), step, torch.zeros_like(step))
+        return (t.contiguous().view(iv) + step).view(t.dtype).view(t.shape)
+
+    class _Dither(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func.overloadpacket) not in DITHER_OPS:
+                return out
+            if isinstance(out, tuple):
+                return type(out)(flip(o) for o in out)
+            return flip(out)
+
+    with _Dither():
+        yield
