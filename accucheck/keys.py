@@ -123,3 +123,13 @@ def layer_of(module: str) -> int | None:
     """Decoder-layer number of a module path ("model.layers.10.mlp" -> 10), None outside layers."""
     m = re.search(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)", module)
     return int(m.group(1)) if m else None
+
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def peer_kind(key: RecordKey) -> str:
+    """The site with every numeric path component wildcarded ("model.layers.*.mlp.down_proj
+    #0:out.0"): records of one module kind, operator and slot across layers (and experts)."""
+    op = f"/{key.op}@{key.op_index}" if key.op is not None else ""
+    return f"{_INDEX.sub('.*', key.module)}#{key.call}{op}:{key.role}.{key.slot}"

@@ -547,10 +547,10 @@ def test_carried_state_at_decode_steps_keeps_links_basis():
     d.add("r0.s2:attn#0:out.0", 2e-2)     # the first record of step 2: the cache alone feeds it
     locs = _locs(d.locate())
     s1 = locs["r0.s1:attn#0:out.0"]
-    assert (s1.input_basis, s1.input_error, s1.cause) == ("links", 3e-3, None)
+    assert (s1.input_basis, s1.input_error, s1.cause) == ("links", 0.0, None)  # not its own
     s2 = locs["r0.s2:attn#0:out.0"]
     assert (s2.input_basis, s2.input_error, s2.input_from, s2.cause) == \
-        ("proxy", 1e-2, ("attn#0:out.0 at step 1",), "inherited")
+        ("proxy", 1e-2, ("r0.s1:attn#0:out.0",), "inherited")
 
 
 def test_parents_ops_in_their_call_and_modules_in_the_nearest_recorded_prefix():

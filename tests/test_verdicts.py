@@ -106,19 +106,20 @@ def model_run(run, req=0, step=0, layers=4, faults=None, links=True):
 # ----------------------------------------------------------------- first divergence
 
 def test_first_introduced_wins_over_an_earlier_inherited_record(tmp_path):
-    """Layer 1's norm is over tolerance but inherited (its input is as wrong); layer 3's mlp
-    introduces. The first over-tolerance record is NOT the culprit."""
+    """Layer 0's mlp adds an error within tolerance; layer 1's residual sum carries 2.5x of it,
+    over tolerance but inherited; layer 3's mlp introduces. The first over-tolerance record is
+    NOT the culprit."""
     run = Run()
-    model_run(run, faults={1: {"post_in": 1e-3, "post_attention_layernorm": 1.2e-3,
-                               "mlp": 1.1e-3, "layer": 1e-3},
-                           2: {"input_layernorm": 1e-3, "self_attn": 1e-3, "post_in": 1e-3,
-                               "post_attention_layernorm": 1e-3, "mlp": 1e-3, "layer": 1e-3},
-                           3: {"input_layernorm": 1e-3, "self_attn": 1e-3, "post_in": 1e-3,
-                               "post_attention_layernorm": 1e-3, "mlp": 2e-2, "layer": 2e-2}})
+    model_run(run, faults={0: {"mlp": 4e-5, "layer": 4e-5},
+                           1: {"post_in": 1e-4, "post_attention_layernorm": 1.2e-4,
+                               "mlp": 1.1e-4, "layer": 1e-4},
+                           2: {"input_layernorm": 1e-4, "self_attn": 1e-4, "post_in": 1e-4,
+                               "post_attention_layernorm": 1e-4, "mlp": 1e-4, "layer": 1e-4},
+                           3: {"input_layernorm": 1e-4, "self_attn": 1e-4, "post_in": 1e-4,
+                               "post_attention_layernorm": 1e-4, "mlp": 2e-2, "layer": 2e-2}})
     a = run.analyze(tmp_path)
     L = a.location
-    assert str(L.first_over.key) == "r0.s0:model.layers.1.post_attention_layernorm#0:in.0" or \
-        L.first_over.key.module == "model.layers.1.post_attention_layernorm"
+    assert str(L.first_over.key) == "r0.s0:model.layers.1.post_attention_layernorm#0:in.0"
     assert L.first_over.cause == "inherited"
     assert str(L.first_divergence.key) == "r0.s0:model.layers.3.mlp#0:out.0"
     assert L.first_divergence.input_basis == "links"
@@ -137,9 +138,10 @@ def test_the_first_introduced_not_the_largest(tmp_path):
 
 
 def test_default_amplification_is_four(tmp_path):
-    """An output 6x its input error is introduced at the default (4), not at 10."""
+    """An output 6x its input error is introduced at the default (4), not at 10 (the residual
+    sum before it carries 2.5x the attention's error, under tolerance: inherited at both)."""
     run = Run()
-    model_run(run, layers=2, faults={0: {"post_in": 1e-4, "post_attention_layernorm": 6e-4,
+    model_run(run, layers=2, faults={0: {"self_attn": 4e-5, "post_in": 1e-4, "post_attention_layernorm": 6e-4,
                                          "mlp": 6e-4, "layer": 6e-4},
                                      1: {k: 6e-4 for k in ("input_layernorm", "self_attn",
                                                            "post_in",
@@ -167,19 +169,35 @@ def test_earliest_step_first_then_request(tmp_path):
 
 
 def test_kv_cache_carry_makes_a_decode_step_inherited(tmp_path):
-    """Step 0: the attention's error is under tolerance (3e-5); step 1: over (1e-4) with an
-    exact input. The cache carries step 0's error: inherited (1e-4 < 4 x 3e-5), no culprit."""
+    """Step 0: what feeds the attention is off by 3e-5 (under tolerance), and so is the
+    attention; step 1: the attention is over (1e-4) with an exact input. The cache holds what
+    fed step 0: inherited (1e-4 < 4 x 3e-5), no culprit."""
     run = Run()
-    for step, err in ((0, 3e-5), (1, 1e-4)):
+    for step, (e_in, e_out) in ((0, (3e-5, 3e-5)), (1, (0.0, 1e-4))):
         n = 3 if step == 0 else 1
-        run.add(f"r0.s{step}:model.embed_tokens#0:out.0", shape=(1, n, H))
-        run.add(f"r0.s{step}:model.layers.0.self_attn#0:out.0", err, shape=(1, n, H),
+        run.add(f"r0.s{step}:model.embed_tokens#0:out.0", e_in, shape=(1, n, H))
+        run.add(f"r0.s{step}:model.layers.0.self_attn#0:out.0", e_out, shape=(1, n, H),
                 src={"hidden_states": "model.embed_tokens#0:out.0"})
     a = run.analyze(tmp_path)
     x = next(x for x in a.location.records if str(x.key) == "r0.s1:model.layers.0.self_attn#0:out.0")
     assert x.input_error == pytest.approx(3e-5, rel=1e-3) and x.cause == "inherited"
-    assert x.input_from == ("model.layers.0.self_attn#0:out.0 at step 0",)
+    assert x.input_from == ("r0.s0:model.embed_tokens#0:out.0",)
     assert a.location.first_divergence is None and a.location.diffuse and a.culprit is None
+
+
+def test_a_module_s_own_earlier_error_does_not_explain_its_error_now(tmp_path):
+    """A stateless module with exact inputs at both steps, 3e-5 at step 0 (under tolerance),
+    1e-4 at step 1: its own earlier output feeds nothing; it introduces the error at step 1."""
+    run = Run()
+    for step, err in ((0, 3e-5), (1, 1e-4)):
+        n = 3 if step == 0 else 1
+        run.add(f"r0.s{step}:model.embed_tokens#0:out.0", shape=(1, n, H))
+        run.add(f"r0.s{step}:model.layers.0.mlp#0:out.0", err, shape=(1, n, H),
+                src={"0": "model.embed_tokens#0:out.0"})
+    a = run.analyze(tmp_path)
+    fd = a.location.first_divergence
+    assert (str(fd.key), fd.cause) == ("r0.s1:model.layers.0.mlp#0:out.0", "introduced")
+    assert a.culprit.where == "model.layers.0.mlp#0" and a.culprit.step == 1
 
 
 def test_a_wrong_residual_add_blames_the_container(tmp_path):

@@ -1,35 +1,23 @@
 """Where divergence starts and who introduces it. Imports errors, keys, compare (diff,
-tolerances), verdict.types and verdict.culprit; no torch.
+tolerances), verdict.types, verdict.flow and verdict.culprit; no torch.
 
 `locate(diff_result)` -> `Location`; `analyze(ref, cand, golden=None, ...)` -> `Analysis` (diff +
 locate in one call: what the CLI runs).
 
-Input error of a record (per request and step, no model-specific names), from what feeds it:
-- "inputs": its recorded inputs (role "in" records of the same module / op call);
-- "links": the producers the capture linked its inputs to (/index/extra "src": the earlier
-  recorded output, or recorded input, that each floating input tensor IS; see
-  accucheck.capture.recorder); with both, the larger;
-- "proxy" (captures without links: graph mode, vLLM, older files): the immediately preceding
-  record under the same parent (the previous record on the residual stream), else the
-  parent's own input error. The parent is the deepest recorded enclosing module (an op's
-  parent is its module call). A proxy can over- or under-state; links are exact;
-- at decode steps (step > 0) also the error of the same site at earlier steps (state such as a
-  KV cache carries it);
-- "none" (first record of its step, nothing feeds it): input error unknown, treated as exact.
-
-A record over tolerance is "introduced" when its error exceeds `amplification` (default 4)
-times what explains it: its input error and, for a container (a decoder layer, a module with
-recorded children or ops), the largest error among its recorded children; else "inherited".
-A container is thus blamed only when none of its recorded children carries the error (e.g. a
-wrong residual add). With shadow records (--shadow), the local error decides: introduced when
-the shadow error itself is over tolerance.
+What feeds each record and its first classification ("introduced" when its error exceeds
+`amplification` (default 4) x the largest error among what feeds it, else "inherited") come
+from accucheck.verdict.flow: recorded inputs, producer links, a proxy without links, a
+container's slot explained by the child that returned it or, for a slot its own code made,
+by what feeds the container and its children whose outputs no recorded call consumed; an
+"in" record (an input no recorded output explains) by what feeds the parent's uncovered code.
 
 The first divergence is the first record, in execution order (earliest step, then request,
 then capture order), that is over tolerance AND introduced; children run (and are recorded)
 before their enclosing module and ops before their module's output, so the walk names the
 innermost recorded culprit, and inside it the first op that introduces the error (the root,
 not the largest). With a golden referee, "over tolerance" means the referee marks the record
-"cand worse" (compare.diff). When records are over tolerance but none introduces the error,
+"cand worse" (compare.diff). An "in" record that introduces the error names its parent
+module's uncovered code (the attention core, seen at o_proj's input). When records are over tolerance but none introduces the error,
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
@@ -50,10 +38,8 @@ a single near-zero element never makes a culprit on its own.
 """
 from __future__ import annotations
 
-import bisect
 import math
 import os
-import re
 import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -63,8 +49,10 @@ from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FAC
                                           NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
                                           NOISE_FLOOR_WINDOW, ToleranceTable)
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
-from accucheck.keys import RecordKey, is_layer_block, layer_of
+from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind  # noqa: F401
 from accucheck.verdict.culprit import find_culprit
+from accucheck.verdict.flow import trace
+from accucheck.verdict.noise import judge
 # the records live in verdict.types (culprit reads them too); kept importable from here
 from accucheck.verdict.types import (INPUT_BASES, Divergence, LayerPoint, Location,  # noqa: F401
                                      RecordLocation, Suspicious)
@@ -73,20 +61,29 @@ from accucheck.verdict.types import (INPUT_BASES, Divergence, LayerPoint, Locati
 @dataclass(frozen=True)
 class Analysis:
     """A diff and its location: what `accucheck diff` renders. The one verdict: headline,
-    culprit, JSON and sign-off all read it from here. bool() = within tolerance."""
+    culprit, JSON and sign-off all read it from here. bool() = `within`."""
     diff: DiffResult
     location: Location
 
     @property
+    def within(self) -> bool:
+        """The one pass / fail. With control runs: no site is more than noise and no token
+        flip is real (the control decides); else the diff's (golden referee, or tolerance)."""
+        noise = self.location.noise
+        if noise is None:
+            return self.diff.within
+        return not noise.flagged and not self.diff.real_flip
+
+    @property
     def verdict(self) -> str:
-        return "pass" if self.diff.within else "fail"
+        return "pass" if self.within else "fail"
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.diff.within else EXIT_DIVERGENCE
+        return EXIT_OK if self.within else EXIT_DIVERGENCE
 
     def __bool__(self) -> bool:
-        return self.diff.within
+        return self.within
 
     @property
     def culprit(self):
@@ -100,10 +97,12 @@ def analyze(ref: str | os.PathLike, cand: str | os.PathLike,
             tolerances: ToleranceTable | None = None, steps: Iterable[int] | None = None,
             include: Sequence[str] = (), amplification: float = DEFAULT_AMPLIFICATION,
             top: int = 10, allow_incomplete: bool = False, max_elems: int = 1 << 20,
-            progress: Progress | None = None) -> Analysis:
+            progress: Progress | None = None, controls: Sequence[str | os.PathLike] = ()
+            ) -> Analysis:
     """`diff_captures` then `locate`: the one library call behind `accucheck diff`."""
     d = diff_captures(ref, cand, golden, tolerances=tolerances, steps=steps, include=include,
-                      allow_incomplete=allow_incomplete, max_elems=max_elems, progress=progress)
+                      allow_incomplete=allow_incomplete, max_elems=max_elems, progress=progress,
+                      controls=controls)
     return Analysis(d, locate(d, amplification=amplification, top=top))
 
 
@@ -111,31 +110,28 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
            top: int = 10) -> Location:
     if amplification < 1:
         raise ValueError("amplification must be >= 1")
-    errs = {str(r.key): r.error for r in diff.records}
-    groups: dict[tuple[int, int], list[RecordDiff]] = {}
-    for r in diff.records:
-        groups.setdefault((r.key.req, r.key.step), []).append(r)
-    locs: dict[str, RecordLocation] = {}
-    site_err: dict[tuple[int, str], list[tuple[int, float]]] = {}  # (req, site) -> (step, err)
-    paths: dict[str, tuple[str, ...]] = {}
-    for (req, step) in sorted(groups, key=lambda g: (g[1], g[0])):
-        _locate_group(groups[(req, step)], amplification, errs, locs, site_err, paths)
+    locs, paths = trace(diff, amplification)
     records = tuple(locs[str(r.key)] for r in diff.records)
+    noise = judge(diff, locs)
 
     ordered = sorted(diff.records, key=lambda r: (r.key.step, r.key.req, r.order))
-    over = [r for r in ordered if not r.within and r.key.role != "in"]
-    intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
+    over = [r for r in ordered if not r.within and not locs[str(r.key)].unattributed]
+    if noise is None:
+        intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
+    else:  # the control decides: its first site more than noise
+        intro = diff.record(noise.flagged[0].key) if noise.flagged else None
     worst = max(over, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
 
-    def divergence(r: RecordDiff | None) -> Divergence | None:
+    def divergence(r: RecordDiff | None, site=None) -> Divergence | None:
         if r is None:
             return None
         loc = locs[str(r.key)]
-        return Divergence(r.key, loc.cause or "inherited", r.error, loc.input_error,
+        cause = "introduced" if site is not None else loc.cause or "inherited"
+        return Divergence(r.key, cause, r.error, loc.input_error,
                           loc.input_from, r.tolerance.rel_l2, r.basis, r.metrics,
-                          paths.get(str(r.key), ()), loc.inner_error, loc.input_basis)
+                          paths.get(str(r.key), ()), loc.inner_error, loc.input_basis, site)
 
-    ranked = sorted((x for x in records if x.introduced > 0 and x.key.role != "in"),
+    ranked = sorted((x for x in records if x.introduced > 0 and not x.unattributed),
                     key=lambda x: -x.introduced)[:top]
     curve = tuple(
         LayerPoint(r.key.req, r.key.step, layer_of(r.key.module), r.key, r.error, r.cosine,
@@ -143,34 +139,27 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         for r in diff.records
         if r.key.role == "out" and r.key.op is None and is_layer_block(r.key.module)
         and _first_slot(r.key))
-    sus = () if diff.golden_path is not None else noise_floor(diff, locs, amplification)
+    # the noise floor stands in for a referee or a control: with either, it is not needed
+    sus = () if diff.golden_path is not None or noise is not None else \
+        noise_floor(diff, locs, amplification)
     if intro is not None:  # after the first divergence, outliers may be its consequences
         first = (intro.key.step, intro.key.req, intro.order)
         order = {str(r.key): r.order for r in diff.records}
         sus = tuple(s for s in sus if (s.key.step, s.key.req, order[str(s.key)]) < first)
     same = 0
     for r in ordered:
-        if not r.identical:
+        if not (r.identical or r.absorbed):
             break
         same += 1
     differs = ordered[same] if 0 < same < len(ordered) else None
-    return Location(divergence(intro), records, tuple(ranked), curve, amplification,
+    site = noise.flagged[0] if noise is not None and noise.flagged else None
+    return Location(divergence(intro, site), records, tuple(ranked), curve, amplification,
                     divergence(over[0] if over else None), divergence(worst), sus,
-                    divergence(differs))
+                    divergence(differs), noise)
 
 
 def _first_slot(key: RecordKey) -> bool:
     return key.slot in ("0", "hidden_states") or key.slot.split(".")[0] == "0"
-
-
-_INDEX = re.compile(r"\.\d+(?=\.|$)")
-
-
-def peer_kind(key: RecordKey) -> str:
-    """The site with every numeric path component wildcarded ("model.layers.*.mlp.down_proj
-    #0:out.0"): records of one module kind, operator and slot across layers (and experts)."""
-    op = f"/{key.op}@{key.op_index}" if key.op is not None else ""
-    return f"{_INDEX.sub('.*', key.module)}#{key.call}{op}:{key.role}.{key.slot}"
 
 
 def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
@@ -224,158 +213,3 @@ def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
     return tuple(sorted(out, key=lambda s: (s.key.step, s.key.req, order[str(s.key)])))
 
 
-class _Node:
-    """One module call (or op call) in a step: its output records and recorded inputs."""
-    __slots__ = ("module", "call", "op", "op_index", "outs", "ins", "order", "parent",
-                 "children", "input_error", "input_from", "input_basis", "done")
-
-    def __init__(self, key: RecordKey, order: int):
-        self.module, self.call, self.op, self.op_index = key.module, key.call, key.op, key.op_index
-        self.outs: list[RecordDiff] = []
-        self.ins: list[RecordDiff] = []
-        self.order = order
-        self.parent: _Node | None = None
-        self.children: list[_Node] = []
-        self.input_error: float | None = None
-        self.input_from: tuple[str, ...] = ()
-        self.input_basis = "none"
-        self.done = False
-
-    @property
-    def error(self) -> float:
-        return max((r.error for r in self.outs), default=0.0)
-
-    @property
-    def links(self) -> tuple[tuple[str, str], ...]:
-        return next((r.src for r in self.outs if r.src), ())
-
-    def encloses(self, other: "_Node") -> bool:
-        if self.op is not None:
-            return False
-        if other.op is not None and other.module == self.module and other.call == self.call:
-            return True
-        return other.module.startswith(self.module + ".")
-
-
-def _locate_group(recs: list[RecordDiff], amp: float, errs: dict[str, float], locs: dict,
-                  site_err: dict, paths: dict) -> None:
-    nodes: dict[tuple, _Node] = {}
-    ins: dict[tuple, list[RecordDiff]] = {}
-    for r in sorted(recs, key=lambda r: r.order):
-        k = r.key
-        ident = (k.module, k.call, k.op, k.op_index)
-        if k.role == "in":
-            ins.setdefault(ident, []).append(r)
-            continue
-        n = nodes.get(ident)
-        if n is None:
-            n = nodes[ident] = _Node(k, r.order)
-        n.outs.append(r)
-        n.order = max(n.order, r.order)
-    for ident, rs in ins.items():
-        if ident in nodes:
-            nodes[ident].ins = rs
-    seq = sorted(nodes.values(), key=lambda n: n.order)
-    # Parent: the deepest enclosing node recorded later (children finish before their parent).
-    by_module: dict[str, list[_Node]] = {}
-    for n in seq:
-        if n.op is None:
-            by_module.setdefault(n.module, []).append(n)
-    orders = {m: [x.order for x in ns] for m, ns in by_module.items()}
-    for n in seq:
-        cands = [n.module] if n.op is not None else []
-        parts = n.module.split(".")
-        cands += [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
-        for m in cands:
-            if m not in by_module:
-                continue
-            j = bisect.bisect_right(orders[m], n.order)
-            if j < len(orders[m]) and by_module[m][j].encloses(n):
-                n.parent = by_module[m][j]
-                break
-    roots: list[_Node] = []
-    for n in seq:
-        (n.parent.children if n.parent is not None else roots).append(n)
-
-    def resolve(n: _Node, siblings: list[_Node]) -> None:
-        if n.done:
-            return
-        n.done = True
-        found = [(r.error, str(r.key)) for r in n.ins]
-        linked = [(errs[p], p) for _, p in n.links if p in errs]
-        found += linked
-        basis = "links" if linked else "inputs" if found else "none"
-        # a producer not compared (--include / --step / one side only), or no link at all:
-        # also the immediately preceding record under the same parent, else what feeds the
-        # parent (over-stating an input error can only turn "introduced" into "inherited")
-        if not found or len(linked) < len(n.links):
-            prev = None
-            for s in siblings:
-                if s.order >= n.order:
-                    break
-                if s.outs:
-                    prev = s
-            if prev is not None:
-                found.append((prev.error, str(prev.outs[0].key)))
-            elif n.parent is not None:
-                resolve(n.parent, _siblings(n.parent, roots))
-                if n.parent.input_error is not None:
-                    found += [(n.parent.input_error, f) for f in n.parent.input_from]
-            if found and basis == "none":
-                basis = "proxy"
-        # State carried from earlier steps (KV cache): the same site's error at earlier steps.
-        for r in n.outs:
-            for st, e in site_err.get((r.key.req, r.key.site), ()):
-                if st < r.key.step:
-                    found.append((e, f"{r.key.site} at step {st}"))
-                    basis = "proxy" if basis == "none" else basis
-        if found:
-            err = max(e for e, _ in found)
-            n.input_error = err
-            n.input_from = tuple(dict.fromkeys(f for e, f in found if e == err))
-        n.input_basis = basis
-
-    for n in seq:
-        resolve(n, _siblings(n, roots))
-    for n in seq:
-        chain = []
-        p = n.parent
-        while p is not None:
-            chain.append(p.module)
-            p = p.parent
-        inner = max((c.error for c in n.children if c.outs), default=None)
-        for r in n.outs:
-            locs[str(r.key)] = _classify(r, n.input_error, n.input_from, n.input_basis, inner,
-                                         amp)
-            paths[str(r.key)] = tuple(reversed(chain))
-            site_err.setdefault((r.key.req, r.key.site), []).append((r.key.step, r.error))
-    for rs in ins.values():
-        for r in rs:
-            locs[str(r.key)] = RecordLocation(r.key, r.error, None, (), r.within,
-                                              None if r.within else "inherited", 0.0)
-
-
-def _siblings(n: _Node, roots: list[_Node]) -> list[_Node]:
-    return n.parent.children if n.parent is not None else roots
-
-
-def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, ...],
-              input_basis: str, inner: float | None, amp: float) -> RecordLocation:
-    err = r.error
-    explained = max(input_error or 0.0, inner or 0.0)
-    if r.shadow is not None:
-        local = r.shadow.rel_l2
-        introduced = local
-        input_basis = "shadow"
-        cause = None if r.within else (
-            "introduced" if local > r.tolerance.rel_l2 else "inherited")
-    else:
-        introduced = max(0.0, err - explained) if math.isfinite(err) else math.inf
-        if r.within:
-            cause = None
-        elif r.basis == "shape" or not explained or err > amp * explained:
-            cause = "introduced"
-        else:
-            cause = "inherited"
-    return RecordLocation(r.key, err, input_error, input_from, r.within, cause, introduced,
-                          inner, input_basis)

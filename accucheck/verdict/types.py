@@ -1,7 +1,8 @@
 """The verdict's records: where each record's error comes from (`RecordLocation`), the first
-divergence (`Divergence`), noise-floor outliers (`Suspicious`), the layer curve (`LayerPoint`)
-and `Location`, which holds them all. Data only: imports keys, compare.diff and compare.metrics
-(types); locate makes them, culprit and the reports read them, and neither imports the other
+divergence (`Divergence`), noise-floor outliers (`Suspicious`), the control rule's records
+(`RecordNoise`, `NoiseSite`, `NoiseVerdict`), the layer curve (`LayerPoint`) and `Location`,
+which holds them all. Data only: imports keys, compare.diff, compare.metrics and
+compare.tolerances (types and constants); locate makes them, culprit and the reports read them, and neither imports the other
 for them. `Located` is what culprit reads: a diff and its location (`locate.Analysis` is one).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 
 from accucheck.compare.diff import DiffResult
 from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z
 from accucheck.keys import RecordKey
 
 INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
@@ -27,8 +29,15 @@ class RecordLocation:
     within: bool
     cause: str | None             # "introduced" | "inherited" | None when within tolerance
     introduced: float             # local error: shadow rel_l2, else max(0, error - explained)
-    inner_error: float | None = None  # largest error among recorded children (containers)
+    inner_error: float | None = None  # largest error among the children that feed this slot
     input_basis: str = "none"     # one of INPUT_BASES: how input_error was found
+    feeders: tuple[str, ...] = ()  # every record considered as feeding it (verdict.flow)
+
+    @property
+    def unattributed(self) -> bool:
+        """An input made outside every recorded module (a narrowed --include, the model's own
+        attention mask): no recorded code made it, so it is never a divergence of its own."""
+        return self.key.role == "in" and self.input_basis == "none" and self.cause != "introduced"
 
     @property
     def explained(self) -> float:
@@ -49,6 +58,7 @@ class Divergence:
     path: tuple[str, ...]         # enclosing modules, outermost first (decoder layer, ...)
     inner_error: float | None = None
     input_basis: str = "none"
+    noise: "NoiseSite | None" = None  # with control runs: the site judged more than noise
 
     @property
     def module(self) -> str:
@@ -84,6 +94,57 @@ class Suspicious:
 
 
 @dataclass(frozen=True)
+class RecordNoise:
+    """One record against the control runs."""
+    key: RecordKey
+    error: float          # the candidate's elem_error
+    expected: float       # the controls' mean elem_error
+    spread: tuple[float, float]  # the controls' smallest and largest elem_error
+    ratio: float          # error / expected (both floored)
+    input_ratio: float    # the largest ratio among what feeds it (1.0: nothing known)
+
+    @property
+    def excess(self) -> float:
+        return self.ratio / max(1.0, self.input_ratio)
+
+
+@dataclass(frozen=True)
+class NoiseSite:
+    """One site (a record key without request and step) over all its records."""
+    site: str
+    kind: str             # verdict.locate.peer_kind of its records
+    key: RecordKey        # the record named (see the module docstring)
+    excess: float         # geometric mean of its records' excess
+    records: int
+    location: float       # its kind's log excess: median (capped at 0), and spread
+    spread: float
+    peers: int            # sites of its kind, itself included
+    flagged: bool
+
+    @property
+    def z(self) -> float:
+        return (math.log(self.excess) - self.location) / self.spread if self.excess > 0 \
+            else -math.inf
+
+    @property
+    def threshold(self) -> float:
+        """The excess above which this site is more than noise."""
+        return max(math.exp(self.location + CONTROL_Z * self.spread), CONTROL_MIN_RATIO)
+
+
+@dataclass(frozen=True)
+class NoiseVerdict:
+    controls: tuple[str, ...]
+    records: tuple[RecordNoise, ...]     # diff order, records a control holds
+    sites: tuple[NoiseSite, ...]         # largest z first
+    flagged: tuple[NoiseSite, ...]       # execution order of their named record
+
+    def record(self, key: RecordKey | str) -> RecordNoise | None:
+        k = str(key)
+        return next((r for r in self.records if str(r.key) == k), None)
+
+
+@dataclass(frozen=True)
 class LayerPoint:
     req: int
     step: int
@@ -107,11 +168,14 @@ class Location:
     # the first record whose values differ, when records before it are identical (eager vs
     # graph: where the compiled program starts to compute otherwise); within tolerance too
     first_difference: Divergence | None = None
+    noise: NoiseVerdict | None = None     # the control rule (verdict.noise), with --control
 
     @property
     def diffuse(self) -> bool:
-        """Records are over tolerance, but none introduces the error (inherited / gradual)."""
-        return self.first_divergence is None and self.first_over is not None
+        """Records are over tolerance, but none introduces the error (inherited / gradual).
+        Never with control runs: there the control rule decides, not the tolerance."""
+        return self.first_divergence is None and self.first_over is not None \
+            and self.noise is None
 
 
 class Located(Protocol):
