@@ -20,7 +20,7 @@ JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref"
             "golden_path", "basis", "notes", "tolerances", "amplification", "counts",
             "compared_steps", "first_divergence", "top", "records", "missing", "layers",
             "logits", "golden", "culprit", "ops", "diffuse", "first_over", "worst",
-            "suspicious", "precision_findings", "compute_dtypes", "first_difference"}
+            "suspicious", "precision_findings", "compute_dtypes", "first_difference", "control"}
 
 
 @pytest.fixture(scope="module")

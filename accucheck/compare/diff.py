@@ -25,6 +25,8 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
   accucheck.verdict.locate's input errors.
 - Candidate records with role "shadow" (shadow replay) are paired with the reference's "out"
   record of the same site: their error is the local error of that module.
+- Op records inside a module call whose outputs are identical on both sides are `absorbed`:
+  within, whatever the op pairing across fused kernels measured.
 
 `result.within` is True when every aligned record is within tolerance (or, refereed, no worse
 than the reference) and no token flip is real. Results have no __bool__: ask `within`.
@@ -40,10 +42,12 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from accucheck.compare.compat import check_same_model
+from accucheck.compare.control import check_control
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey, split_rank
-from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics, kl_div,
-                                       logit_noise, top2_margin, topk_overlap)
+from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics,
+                                       is_float_dtype, kl_div, logit_noise, top2_margin,
+                                       topk_overlap)
 from accucheck.compare.opmatch import OpAlignment, align_captures
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
@@ -100,6 +104,10 @@ class RecordDiff:
                                           # paired another op index / op (accucheck.compare.opmatch)
     src: tuple[tuple[str, str], ...] = ()  # (input slot, producer key) links stored by the
                                            # capture (/index/extra "src"), same request/step
+    control: tuple[float, ...] | None = None  # elem_error(CTL_i, REF) per control run
+                                              # (--control); None: no control holds it
+    absorbed: bool = False     # an op record inside a module call whose outputs are identical
+                               # on both sides: op pairing across fused kernels, not an error
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "sample", "stats", "shape"):
@@ -130,6 +138,14 @@ class RecordDiff:
         return math.inf
 
     @property
+    def elem_error(self) -> float:
+        """The mean elementwise relative error (`TensorMetrics.mean_rel`) where the tensors (or
+        their samples) were compared, else `error`: what a control run is compared by."""
+        if self.metrics is not None and self.metrics.mean_rel is not None:
+            return self.metrics.mean_rel
+        return self.error
+
+    @property
     def cosine(self) -> float | None:
         return self.metrics.cosine if self.metrics is not None else None
 
@@ -155,6 +171,8 @@ class RecordDiff:
         against the golden (or NaN/Inf positions differ). Without: the tolerance decides.
         No __bool__ on purpose: a falsy record inside `x or fallback` once picked the wrong
         culprit; ask `within` explicitly."""
+        if self.absorbed:
+            return True
         if self.refereed and self.basis == "tensor":
             return self.golden.label != "cand worse" and not self.metrics.nan_inf_mismatch
         return self.within_tolerance
@@ -248,6 +266,7 @@ class DiffResult:
     tolerances: ToleranceTable = field(default_factory=ToleranceTable)
     ops: OpAlignment | None = None           # op-level alignment (compare.opmatch), if any
     compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
+    control_paths: tuple[str, ...] = ()      # control runs (--control), in order
 
     @property
     def precision_findings(self) -> tuple[RecordDiff, ...]:
@@ -292,8 +311,13 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
                   steps: Iterable[int] | None = None, include: Sequence[str] = (),
                   allow_incomplete: bool = False, max_elems: int = 1 << 20,
                   progress: Progress | None = None,
-                  allow_model_mismatch: bool = False) -> DiffResult:
+                  allow_model_mismatch: bool = False,
+                  controls: Sequence[str | os.PathLike | CaptureReader] = ()) -> DiffResult:
     """Compare candidate against reference (and both against `golden` when given).
+
+    `controls`: control runs (compare.control: the reference's code at the candidate's dtype,
+    forced to the reference's tokens); each record then carries err(CTL_i, REF) in `control`,
+    measured the same way as the candidate's error (verdict.noise judges the ratio).
 
     Captures of different model architectures (config hash in meta) are refused (UserError,
     exit 3) unless `allow_model_mismatch` (accucheck.compare.compat).
@@ -316,10 +340,26 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     try:
         R, C, G = _open(ref), _open(cand), _open(golden)
         check_same_model(R, C, G, allow_model_mismatch=allow_model_mismatch)
-        return _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
+        T = [_open(x) for x in controls]
+        notes = [n for t in T for n in check_control(
+            R, t, C, allow_model_mismatch=allow_model_mismatch)]
+        result = _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
+        return _with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
+                                               None).run() for t in T], notes)
     finally:
         for r in opened:
             r.close()
+
+
+def _with_controls(d: DiffResult, ctl: list[DiffResult], notes: list[str]) -> DiffResult:
+    """`d` with each record's error in every control run (`RecordDiff.control`)."""
+    if not ctl:
+        return d
+    errs = [{str(r.key): r.elem_error for r in c.records} for c in ctl]
+    recs = tuple(replace(r, control=tuple(e[str(r.key)] for e in errs))
+                 if all(str(r.key) in e for e in errs) else r for r in d.records)
+    return replace(d, records=recs, notes=d.notes + tuple(notes),
+                   control_paths=tuple(c.cand_path for c in ctl))
 
 
 class _Differ:
@@ -478,6 +518,13 @@ class _Differ:
                 logits.append(ls)
         records += [rd for rd in joined if comparable(rd.key, limits)]
         records.sort(key=lambda rd: rd.order)  # stable: a rank's copy right after the copy
+        records = _absorb(records)
+        absorbed = sum(r.absorbed for r in records)
+        if absorbed:
+            self.notes.append(
+                f"{absorbed} op records differ inside module calls whose outputs are identical "
+                f"on both sides (a fused kernel against decomposed ops): not judged, the module "
+                f"computes the same")
         if stats_only:
             self.notes.append(
                 f"{stats_only} of {len(records)} records have statistics only (capture with "
@@ -543,10 +590,12 @@ class _Differ:
             sd = stats_delta(ra, ca)
             if ra.sample is None or ca.sample is None:
                 return RecordDiff(basis="stats", stats=sd, **base), None
-            acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
+            acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
+                                    scale=_rms(ra))
             acc.add(ra.sample, ca.sample)
             return RecordDiff(basis="sample", metrics=acc.result(), stats=sd, **base), None
-        acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol)
+        acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
+                                scale=_rms(ra))
         use_golden = grow is not None and grow.has_data and grow.shape == ra.shape
         gsum = np.zeros(3)  # sum (ref-g)^2, sum (cand-g)^2, sum g^2
         positions: list[LogitsPosition] = []
@@ -628,6 +677,20 @@ class _Differ:
         return first, tuple(gen)
 
 
+def _absorb(records: list[RecordDiff]) -> list[RecordDiff]:
+    """Op records inside a module call whose recorded outputs are all identical on both sides
+    are `absorbed` (within): one side's fused kernel (F.rms_norm) against the other's
+    decomposed ops (pow / mean / add / rsqrt / mul) pairs ops that compute different things,
+    but the module computes the same, so no op inside it is a culprit."""
+    outs: dict[tuple, list[RecordDiff]] = {}
+    for r in records:
+        if r.key.op is None and r.key.role == "out":
+            outs.setdefault((r.key.req, r.key.step, r.key.module, r.key.call), []).append(r)
+    same = {k for k, rs in outs.items() if all(r.identical for r in rs)}
+    return [replace(r, absorbed=True) if r.key.op is not None and not r.identical and
+            (r.key.req, r.key.step, r.key.module, r.key.call) in same else r for r in records]
+
+
 def _rows(chunks: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
     """Re-cut flat chunks into [rows, width] blocks of whole rows."""
     rest = None
@@ -694,6 +757,16 @@ def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
     bound = cands[name]
     rel = bound / a.l2 if a.l2 > 0 else (math.inf if bound > 0 else 0.0)
     return StatsDelta(False, rel, name if bound > 0 else None, naninf)
+
+
+def _rms(row: IndexRow) -> float | None:
+    """The reference tensor's RMS over its finite elements, from its index statistics (the
+    scale of `TensorMetrics.mean_rel`); None for a non-float record."""
+    st = row.stats
+    n = st.numel - st.nan - st.inf
+    if not is_float_dtype(row.dtype) or n <= 0 or not math.isfinite(st.l2):
+        return None
+    return st.l2 / math.sqrt(n)
 
 
 def _links(row: IndexRow) -> tuple[tuple[str, str], ...]:

@@ -16,7 +16,7 @@ are exact; captures without a meta dtype fall back to the record dtypes.
 
 Calibration of DEFAULT_REL_L2 (tests/test_tolerances.py re-measures it on the tiny model):
 - float32: 5e-5. Measured on the tiny Llama (4 layers, 2 prompts, 3 decode steps, every
-  record): fp32 noise - 1 vs 2 CPU threads, or fp32 vs a float64 run - stays <= 1.9e-6 (25x
+  record): fp32 noise - a one-ULP dither of the rounding ops, or fp32 vs a float64 run - stays <= 1.9e-6 (25x
   below); rounding ONE RMSNorm output through bfloat16 gives rel_l2 1.7e-3 (33x above; bf16
   rounding is a uniform half-ULP error, ulp/|x| in (2^-8, 2^-7]); an MLP whose SiLU uses a
   float16 sigmoid gives 1.8e-4 (3.6x above).
@@ -59,6 +59,21 @@ DEFAULT_AMPLIFICATION = 4.0
 # Calibration on SmolLM2-135M (30 layers), float32 vs bfloat16: the largest natural ratio to
 # the peers' median is 2.2 (tests/test_real_model.py re-measures it).
 NOISE_FLOOR_FACTOR = 5.0
+# Control rule (verdict.noise, with --control): a site (a record key without request and
+# step) is "more than noise" when the geometric mean over its records of its excess ratio
+# (its error / the control's, over what feeds it) stands CONTROL_Z spreads above its kind's
+# (the same module kind in other layers: median and MAD of their log ratios, the median capped
+# at 1 so a fault in every layer still shows) and is at least CONTROL_MIN_RATIO. A kind with
+# fewer than CONTROL_MIN_PEERS sites (logits, rotary, the final norm) uses
+# CONTROL_PEERLESS_SPREAD; no spread is taken below CONTROL_SPREAD_FLOOR. An error below
+# CONTROL_ERROR_FLOOR x the record's tolerance is never more than noise. Chosen from the
+# false-alarm / power table of bench/bench_control.py (docs/control.md).
+CONTROL_Z = 5.0
+CONTROL_MIN_RATIO = 1.15
+CONTROL_MIN_PEERS = 5
+CONTROL_SPREAD_FLOOR = 0.03
+CONTROL_PEERLESS_SPREAD = 0.1
+CONTROL_ERROR_FLOOR = 0.01
 NOISE_FLOOR_MIN_FRACTION = 0.05
 NOISE_FLOOR_MIN_PEERS = 3
 NOISE_FLOOR_WINDOW = 4

@@ -15,6 +15,7 @@ from typing import Any
 
 from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.verdict.locate import Analysis
+from accucheck.report.noise import control_json, control_lines
 from accucheck.verdict.types import Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")
@@ -87,9 +88,11 @@ def verdict_line(a: Analysis) -> str:
     if d.basis in ("stats", "sample", "mixed"):
         weaker = (" [weaker: some records have statistics only, compared by a lower bound"
                   " and sampled values]")
+    if L.noise is not None:
+        return _control_line(a, weaker)
     if d.within:
-        worst = max(d.records, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300),
-                    default=None)
+        worst = max((r for r in d.records if not r.absorbed),
+                    key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
         w = (f"; worst rel_l2 {_g(worst.error)} at {worst.key} (tolerance "
              f"{_g(worst.tolerance.rel_l2)})") if worst is not None else ""
         ref = sum(r.refereed and not r.within_tolerance for r in d.records)
@@ -111,10 +114,16 @@ def verdict_line(a: Analysis) -> str:
         inp = _g(fo.input_error) if fo.input_error is not None else "unknown"
         largest = "" if wo is None or wo.key == fo.key else \
             f"; largest at {_where(wo)}: rel_l2 {_g(wo.error)}"
+        sus = ""
+        if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
+            x = L.suspicious[0]
+            sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
+                   f"of their peers, first {x.key}: amplifies its input error x{_g(x.gain)}, "
+                   f"peers x{_g(x.peers_median)}")
         return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
                 f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {_g(fo.error)}, "
                 f"input rel_l2 {inp}{largest} [tolerance {_g(fo.tolerance)}]; no culprit "
-                f"named{weaker}")
+                f"named{sus}{weaker}")
     if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
         f = next((f for f in d.flips if f.near_tie is not True), None)
         if f is None:
@@ -138,6 +147,35 @@ def verdict_line(a: Analysis) -> str:
     judged = "; golden referee: cand worse" if r.refereed else ""
     return (f"FAIL: divergence starts at {_where(fd)}: {bound}{_g(fd.error)}, input rel_l2 "
             f"{inp} -> introduced here [tolerance {_g(fd.tolerance)}{nan}{judged}]{weaker}")
+
+
+def _control_line(a: Analysis, weaker: str) -> str:
+    """The headline when control runs decide: more than noise, or not."""
+    d, L = a.diff, a.location
+    noise, fd = L.noise, L.first_divergence
+    k = len(noise.controls)
+    ctl = f"{k} control run{'s' if k > 1 else ''}"
+    flip = next((f for f in d.flips if f.near_tie is not True), None)
+    if fd is not None:
+        s = fd.noise
+        x = noise.record(fd.key)
+        made = (f" (an input no record produced: code of {fd.path[-1]} that no record covers)"
+                if fd.key.role == "in" and fd.path else "")
+        return (f"FAIL: more than noise from {_where(fd)}{made}: x{_g(x.ratio)} the "
+                f"{ctl}' error, what feeds it x{_g(x.input_ratio)}; excess x{_g(s.excess)} "
+                f"over the site's {s.records} records (more than noise above "
+                f"x{_g(s.threshold)}) -> introduced here{weaker}")
+    if flip is not None:
+        return (f"FAIL: generated token differs at request {flip.req} step {flip.step} (ref "
+                f"{flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no record is "
+                f"more than the {ctl}' noise{weaker}")
+    top = noise.sites[0] if noise.sites else None
+    worst = (f"; largest excess x{_g(top.excess)} at {top.site} (more than noise above "
+             f"x{_g(top.threshold)})") if top is not None else ""
+    over = sum(not r.within_tolerance for r in d.records)
+    tol = f"; {over} over the dtype tolerance, as the control is" if over else ""
+    return (f"PASS: {len(noise.records)} records within the noise of {ctl}{worst}{tol}"
+            f"{weaker}")
 
 
 def _flip_why(f: TokenFlip) -> str:
@@ -263,6 +301,7 @@ def to_json(a: Analysis) -> dict:
                    "flips": [_flip_json(f) for f in d.flips]},
         "golden": golden,
         "culprit": a.culprit.as_dict() if a.culprit is not None else None,
+        "control": control_json(L.noise),
         "ops": ({"matches": [m.__dict__ for m in d.ops.matches],
                  "one_sided": [o.__dict__ for o in d.ops.one_sided]}
                 if d.ops is not None else None),
@@ -329,6 +368,9 @@ def to_text(a: Analysis, md: bool = False) -> str:
                 f"what feeds it (x{_g(L.amplification)} rule). Largest at {_where(wo)}: rel_l2 "
                 f"{_g(wo.error)}, input {_g(wo.input_error)}. Compare with a golden (float64) "
                 f"capture (--golden) to see whether the candidate is worse or just different."]
+    if L.noise is not None:
+        out += ["", ("### " if md else "") + "Control (more than noise?)"]
+        out += control_lines(L.noise, fmt)
     if L.suspicious:
         out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:

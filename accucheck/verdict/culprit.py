@@ -54,6 +54,10 @@ class Culprit:
     neighbours: tuple[str, ...] = ()  # one-sided ops right next to the named op (with sites)
     next_step: str | None = None      # the narrowing command for a module culprit
     rank: int | None = None           # tensor-parallel rank whose copy is named ("0.rank1")
+    seen_at: RecordKey | None = None  # an input no record produced ("in"), made by `module`'s
+                                      # own code that no record covers (the attention core)
+    excess: float | None = None       # with control runs: its site's excess over the noise
+    threshold: float | None = None    # and the excess above which a site is more than noise
 
     @property
     def amplification(self) -> float:
@@ -76,6 +80,7 @@ class Culprit:
         d["op_key"] = str(self.op_key) if self.op_key is not None else None
         d["cand_key"] = str(self.cand_key) if self.cand_key is not None else None
         d["neighbours"] = list(self.neighbours)
+        d["seen_at"] = str(self.seen_at) if self.seen_at is not None else None
         d["amplification"] = self.amplification
         d["local_within"] = self.local_within
         d["where"] = self.where
@@ -113,7 +118,13 @@ def find_culprit(a: Located) -> Culprit | None:
     target = d.record(fd.key)
     k = target.key
     req, step, module, call = k.req, k.step, k.module, k.call
-    mod_rec = target if k.op is None else next(
+    seen_at = None
+    if k.role == "in" and k.op is None and fd.path:  # the parent's uncovered code made it
+        seen_at, module = k, fd.path[-1]
+        call = next((r.key.call for r in d.records if r.key.module == module
+                     and r.key.op is None and (r.key.req, r.key.step) == (req, step)
+                     and r.order > target.order), 0)
+    mod_rec = target if k.op is None and seen_at is None else next(
         (r for r in d.records if r.key.op is None and r.key.role == "out" and r.key.req == req
          and r.key.step == step and r.key.module == module and r.key.call == call), None)
     ops = [r for r in d.records if r.key.op is not None and r.key.role == "out"
@@ -136,7 +147,7 @@ def find_culprit(a: Located) -> Culprit | None:
                     neighbours.append(f"{o.only_in} only: {o.ident.split('/', 1)[1]}"
                                       + (f" at {o.site}" if o.site else ""))
     next_step = None
-    if k.op is None and not ops and target.basis != "shape":
+    if (k.op is None or seen_at is not None) and not ops and target.basis != "shape":
         next_step = (f"accucheck capture MODEL --include '{module}' --level op --store full "
                      f"--inputs -o ref-op.h5   # reference machine\n"
                      f"accucheck capture MODEL --include '{module}' --level op --store full "
@@ -150,7 +161,9 @@ def find_culprit(a: Located) -> Culprit | None:
         target.error, local, basis, loc.input_error, target.tolerance.rel_l2,
         target.golden.label if target.golden is not None else None, site_ref, site_cand,
         len(ops), one, precision_finding(target, d.compute_dtypes), tuple(neighbours),
-        next_step, split_rank(k.slot)[1])
+        next_step, split_rank(k.slot)[1], seen_at,
+        fd.noise.excess if fd.noise is not None else None,
+        fd.noise.threshold if fd.noise is not None else None)
 
 
 def culprit_lines(c: Culprit) -> list[str]:
@@ -164,10 +177,18 @@ def culprit_lines(c: Culprit) -> list[str]:
 
     head = (f"CULPRIT: step {c.step}, " + (f"request {c.req}, " if c.req else "") + c.where)
     lines = [head]
-    what = "op" if c.op is not None else "module"
-    lines.append(f"  {what} output rel_l2 {g(c.error)}; local {g(c.local_error)} "
+    if c.seen_at is not None:
+        lines.append(f"  made by code of {c.module} that no record covers (between its recorded "
+                     f"children), seen at {c.seen_at}")
+    what = "op output" if c.op is not None else "input" if c.seen_at is not None \
+        else "module output"
+    lines.append(f"  {what} rel_l2 {g(c.error)}; local {g(c.local_error)} "
                  f"({c.local_basis}); inherited {g(c.inherited_error)}; amplification "
                  f"{g(c.amplification)}; tolerance {g(c.tolerance)}")
+    if c.excess is not None:
+        lines.append(f"  control: x{g(c.excess)} the control's error over what feeds it "
+                     f"(geometric mean over the site's records; more than noise above "
+                     f"x{g(c.threshold)})")
     if c.op is not None and c.module_error is not None:
         lines.append(f"  module output rel_l2 {g(c.module_error)}"
                      + (f"; module local (shadow) {g(c.module_local)}"

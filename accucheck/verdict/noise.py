@@ -1,0 +1,111 @@
+"""The control rule: is the candidate's error more than noise? Imports keys, compare (diff,
+tolerances) and verdict.types (which holds its records); no torch. `judge(diff, locs)` -> `NoiseVerdict | None` (None
+without control runs); verdict.locate calls it and names its first site as the divergence.
+
+A control run (compare.control) is the reference's code at the candidate's precision on a
+trusted device: its error against the reference is what that precision costs by itself, in
+every record. The candidate is compared with it record by record:
+
+- errors are `RecordDiff.elem_error` (the mean elementwise relative error; every element
+  counts once, so the massive activations that dominate rel_l2 of a residual stream do not
+  make the ratio jump between two equally good runs); below CONTROL_ERROR_FLOOR x the
+  record's tolerance an error counts as that floor;
+- ratio = candidate error / expected error (the mean over the control runs);
+- excess = ratio / max(1, the largest ratio among what feeds the record (verdict.flow)): a
+  record that only passes on what it was fed has excess <= 1; one that adds error of its own
+  beyond the precision's has excess > 1. An "in" record (an input no recorded output explains)
+  stands for its parent's uncovered code;
+- a kernel fault is systematic: it shows in every call of its site. So the evidence of a
+  site (module, call, role, slot) is the geometric mean of its records' excess over every
+  request and step, and the site is judged against its kind (the same module kind and slot in
+  the other layers, keys.peer_kind): more than noise when its log excess is
+  CONTROL_Z robust spreads above its kind's median (capped at 0, so a fault in every layer
+  stays visible) and the ratio is at least CONTROL_MIN_RATIO (compare.tolerances, CONTROL_*).
+
+Named: the flagged site's first record, in execution order, whose own excess is over the
+site's threshold (else its largest). The first flagged site is the first divergence; the
+dtype tolerance then does not decide (the control answers "more than noise?"; a golden
+answers "who is closer to the truth?"; the tolerance table is the fallback without either).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
+                                          CONTROL_MIN_RATIO, CONTROL_PEERLESS_SPREAD,
+                                          CONTROL_SPREAD_FLOOR, CONTROL_Z)
+from accucheck.keys import is_layer_block, layer_of, peer_kind
+from accucheck.verdict.types import NoiseSite, NoiseVerdict, RecordLocation, RecordNoise
+
+
+def _floor(r: RecordDiff) -> float:
+    return max(CONTROL_ERROR_FLOOR * r.tolerance.rel_l2, 1e-300)
+
+
+def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | None:
+    if not diff.control_paths:
+        return None
+    ratios: dict[str, float] = {}
+    base: dict[str, tuple[RecordDiff, float, tuple[float, float]]] = {}
+    for r in diff.records:
+        if r.control is None or r.basis == "shape" or locs[str(r.key)].unattributed:
+            continue
+        f = _floor(r)
+        expected = sum(r.control) / len(r.control)
+        ratios[str(r.key)] = max(r.elem_error, f) / max(expected, f)
+        base[str(r.key)] = (r, expected, (min(r.control), max(r.control)))
+    recs = []
+    for k, (r, expected, spread) in base.items():
+        ins = [ratios[f] for f in locs[k].feeders if f in ratios and f != k]
+        recs.append(RecordNoise(r.key, r.elem_error, expected, spread, ratios[k],
+                                max(ins, default=1.0)))
+    by_site: dict[str, list[tuple[RecordDiff, RecordNoise]]] = {}
+    for x in recs:
+        by_site.setdefault(x.key.site, []).append((base[str(x.key)][0], x))
+    gm = {s: math.exp(sum(math.log(max(x.excess, 1e-300)) for _, x in xs) / len(xs))
+          for s, xs in by_site.items()}
+    kinds: dict[str, list[str]] = {}
+    for s, xs in by_site.items():
+        kinds.setdefault(peer_kind(xs[0][1].key), []).append(s)
+    sites = []
+    for kind, members in kinds.items():
+        logs = [math.log(gm[s]) for s in members]
+        if len(members) >= CONTROL_MIN_PEERS and any(
+                layer_of(by_site[s][0][1].key.module) is not None for s in members):
+            med = statistics.median(logs)
+            mad = statistics.median(abs(v - med) for v in logs)
+            location, spread = min(med, 0.0), max(1.4826 * mad, CONTROL_SPREAD_FLOOR)
+        else:
+            location, spread = 0.0, CONTROL_PEERLESS_SPREAD
+        for s in members:
+            xs = sorted(by_site[s], key=lambda p: (p[0].key.step, p[0].key.req, p[0].order))
+            limit = max(math.exp(location + CONTROL_Z * spread), CONTROL_MIN_RATIO)
+            named = next((x for _, x in xs if x.excess > limit),
+                         max((x for _, x in xs), key=lambda x: x.excess))
+            site = NoiseSite(s, kind, named.key, gm[s], len(xs), location, spread,
+                             len(members), False)
+            sites.append(NoiseSite(**{**site.__dict__, "flagged": gm[s] > site.threshold}))
+    order = {str(r.key): (r.key.step, r.key.req, r.order) for r in diff.records}
+    flagged = sorted((s for s in sites if s.flagged), key=lambda s: order[str(s.key)])
+    sites.sort(key=lambda s: -s.z)
+    return NoiseVerdict(diff.control_paths, tuple(recs), tuple(sites), tuple(flagged))
+
+
+def layer_ratios(v: NoiseVerdict) -> list[tuple[int, float, float, str]]:
+    """Per decoder layer: (layer, the candidate/control ratio at the layer's output (geometric
+    mean over its requests and steps), the largest site excess inside the layer, that site):
+    the candidate/control curve of the reports."""
+    out: dict[int, list] = {}
+    for x in v.records:
+        layer = layer_of(x.key.module)
+        if layer is not None and x.key.role == "out" and x.key.op is None \
+                and is_layer_block(x.key.module) and x.key.slot == "0":
+            out.setdefault(layer, [[], 0.0, ""])[0].append(math.log(max(x.ratio, 1e-300)))
+    for s in v.sites:
+        layer = layer_of(s.key.module)
+        if layer in out and s.excess > out[layer][1]:
+            out[layer][1], out[layer][2] = s.excess, s.site
+    return [(ly, math.exp(sum(r) / len(r)), m, site)
+            for ly, (r, m, site) in sorted(out.items())]
