@@ -87,6 +87,10 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--deterministic", is_flag=True, help="deterministic algorithms (slower)")
 @click.option("--tokens-from", type=click.Path(dir_okay=False),
               help="teacher forcing: follow this reference capture's prompt and generated tokens")
+@click.option("--control-for", type=click.Path(dir_okay=False),
+              help="make a control run of this reference capture: its prompts, tokens, store "
+                   "mode, module selection and steps, here at --dtype (default: the "
+                   "reference's), eager; for `diff --control`")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None)
 @click.option("--compile-backend", default=None, help="torch.compile backend for --mode graph")
 @click.option("--observer-check/--no-observer-check", default=True, show_default=True,
@@ -100,8 +104,8 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="overwrite the output file")
 def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
-            compression, compile_backend, observer_check, engine_args, trust_remote_code,
-            list_modules, force, level="module", shadow=None):
+            control_for, compression, compile_backend, observer_check, engine_args,
+            trust_remote_code, list_modules, force, level="module", shadow=None):
     """Run MODEL (a local Hugging Face directory, or @tiny for the built-in tiny Llama) on the
     prompts and write one HDF5 capture."""
     from accucheck.capture.api import CaptureOptions
@@ -127,9 +131,21 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                               trust_remote_code=trust_remote_code)
         click.echo("\n".join(lm(m, include, exclude)))
         return 0
-    from accucheck.prompts import read_prompts
+    if control_for:
+        from accucheck.capture.control import control_run
 
-    plist = read_prompts(prompts, prompts_file)
+        if prompts or prompts_file or tokens_from or shadow or runner != "hf" \
+                or mode != "eager":
+            raise UserError.usage("--control-for takes the prompts and tokens from the "
+                                  "reference and runs hf eager: leave out --prompt / "
+                                  "--prompts / --tokens-from / --shadow / --runner / --mode")
+        src = click.get_current_context().get_parameter_source("dtype")
+        plist, opts = control_run(control_for, opts,
+                                  dtype_given=src != click.core.ParameterSource.DEFAULT)
+    else:
+        from accucheck.prompts import read_prompts
+
+        plist = read_prompts(prompts, prompts_file)
     existed = Path(out).exists()
     try:
         if runner == "vllm":
@@ -188,6 +204,10 @@ def inspect(capture_file, pattern, step, limit, fmt):
               help="high-precision capture of the same prompts and tokens (e.g. float64 CPU, "
                    "--tokens-from REF): labels each record cand worse / ref worse / both within "
                    "noise")
+@click.option("--control", "controls", multiple=True, type=click.Path(dir_okay=False),
+              help="control run: the reference's code at the candidate's dtype on a trusted "
+                   "device, forced to REF's tokens (`capture --control-for REF`); the candidate "
+                   "is then judged against its noise, record by record (repeatable)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md"]),
               default="table", show_default=True)
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
@@ -211,10 +231,11 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--allow-model-mismatch", is_flag=True,
               help="compare captures of different model configs (e.g. a checkpoint conversion);"
                    " refused by default")
-def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, steps, include,
-         amplification, allow_incomplete, allow_model_mismatch):
-    """Compare CAND against REF: exit 0 within tolerance, 1 divergence found, 2 usage error,
-    3 unreadable / incomplete / incompatible captures."""
+def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
+         include, amplification, allow_incomplete, allow_model_mismatch):
+    """Compare CAND against REF: exit 0 within tolerance (with --control: within the
+    control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
+    incompatible captures."""
     from accucheck.compare.diff import diff_captures
     from accucheck.verdict.locate import Analysis, locate
     from accucheck.report.diff import render, verdict_line
@@ -225,11 +246,13 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
             raise UserError.usage(f"{flag} {v}: a tolerance is a number >= 0")
     tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
     if out:
-        _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden})
+        _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden,
+                                          **{f"--control #{i + 1}": c for i, c in enumerate(controls)}})
     from accucheck.importers import capture_path  # msprobe dump directory -> temporary capture
     close = click.get_current_context().call_on_close
     ref, cand = (capture_path(p, progress=err, on_close=close) for p in (ref, cand))
-    head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")]
+    head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
+            + (f" (control {', '.join(controls)})" if controls else "")]
 
     def progress(msg: str) -> None:  # the first line once the captures are open and checked
         while head:
@@ -238,7 +261,7 @@ def diff(ref, cand, golden, fmt, out, force, rel_l2, rtol, atol, overrides, step
 
     d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
                       allow_incomplete=allow_incomplete, progress=progress,
-                      allow_model_mismatch=allow_model_mismatch)
+                      allow_model_mismatch=allow_model_mismatch, controls=controls)
     while head:
         err(head.pop())
     result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
@@ -270,17 +293,22 @@ def _check_report_output(out: str, force: bool, inputs: dict) -> None:
               help="use this candidate capture instead of running the scenario's candidate")
 @click.option("--golden", type=click.Path(dir_okay=False),
               help="high-precision referee capture (replaces the scenario's [golden])")
+@click.option("--control", type=click.Path(dir_okay=False),
+              help="control capture (replaces the scenario's [control]): the candidate is "
+                   "judged against its noise")
 @click.option("--previous", type=click.Path(dir_okay=False),
               help="last release's report.json (or a capture of its candidate): same / better / "
                    "worse")
 @click.option("-o", "--out-dir", type=click.Path(file_okay=False), default=None,
               help="report directory (default: reports/<scenario name>)")
-@click.option("--capture-only", type=click.Choice(["reference", "candidate", "golden"]),
+@click.option("--capture-only",
+              type=click.Choice(["reference", "candidate", "golden", "control"]),
               default=None, help="only capture this run into OUT_DIR/captures/ROLE.h5 (e.g. the "
                                  "reference on the GPU box; then --ref it on the NPU box)")
 @click.option("--force", is_flag=True, help="replace the report in a non-empty --out-dir")
 @click.option("-q", "--quiet", is_flag=True, help="no progress on stderr")
-def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force, quiet):
+def signoff(scenario, ref, cand, golden, control, previous, out_dir, capture_only, force,
+            quiet):
     """Sign off a release: run (or reuse) the captures SCENARIO describes, diff them, apply its
     thresholds, write report.md / report.html / report.json. Exit 0 pass, 1 fail, 2 usage
     error, 3 bad scenario or captures."""
@@ -297,8 +325,8 @@ def signoff(scenario, ref, cand, golden, previous, out_dir, capture_only, force,
         return 0
     from accucheck.signoff.run import signoff as run_signoff
 
-    result = run_signoff(scn, ref=ref, cand=cand, golden=golden, previous=previous,
-                         out_dir=out, force=force, progress=log)
+    result = run_signoff(scn, ref=ref, cand=cand, golden=golden, control=control,
+                         previous=previous, out_dir=out, force=force, progress=log)
     click.echo(result.summary)
     err(f"report: {out / 'report.md'}, {out / 'report.html'}, {out / 'report.json'}")
     return result.exit_code

@@ -38,7 +38,7 @@ def _refused(exit_code, text, fn, *args, **kw):
 
 def test_capture_only_refuses_what_it_cannot_capture(tmp_path, captured):
     out = tmp_path / "o"
-    _refused(2, "--capture-only everything: use reference, candidate or golden",
+    _refused(2, "--capture-only everything: use reference, candidate, golden or control",
              capture_only, SCN, "everything", out)
     _refused(3, "scenario tiny-x has no golden run: add a [golden] table to it, or capture "
              "another role", capture_only, SCN, "golden", out)

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from accucheck.compare.observer import observer_effect
+from accucheck.keys import layer_of
 from accucheck.report.diff import BASIS_MARK
 from accucheck.report.diff import to_json as diff_to_json
 from accucheck.report.signoff_result import SignoffResult, fmt_number
+from accucheck.verdict.noise import layer_ratios
 
 SCHEMA = "accucheck.signoff"
 SCHEMA_VERSION = 1
@@ -122,7 +124,8 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
                      "prompts": len(s.prompts), "max_new_tokens": s.max_new_tokens},
         "runs": {"reference": run("reference", r.ref_path, r.ref_meta),
                  "candidate": run("candidate", r.cand_path, r.cand_meta),
-                 "golden": run("golden", r.golden_path, None) if r.golden_path else None},
+                 "golden": run("golden", r.golden_path, None) if r.golden_path else None,
+                 "control": run("control", r.control_path, None) if r.control_path else None},
         "thresholds": thr,
         "checks": [dict(c.__dict__) for c in r.checks],
         "failed_checks": [c.name for c in r.failed_checks],
@@ -130,6 +133,10 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "culprit": r.culprit,
         "first_divergence": first,
         "layers": diff_doc.get("layers", []),
+        "control": ({"flagged": diff_doc["control"]["flagged"],
+                     "layers": diff_doc["control"]["layers"]}
+                    if diff_doc.get("control") else None),
+        "suspicious": diff_doc.get("suspicious", []),
         "tokens": {"agreement": r.metrics.token_agreement,
                    "compared": r.metrics.tokens_compared,
                    "near_tie_flips": r.metrics.near_tie_flips,
@@ -203,6 +210,23 @@ def layer_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
         rows.append(row)
         oks.append(ok)
     return head, rows, oks
+
+
+def control_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Candidate / control per decoder layer (accucheck.verdict.noise.layer_ratios): the
+    ratio at the layer's output and the largest site excess inside it; third value: no site
+    of that layer is more than noise."""
+    noise = r.analysis.location.noise
+    if noise is None:
+        return [], [], []
+    rows, oks = [], []
+    for ly, ratio, excess, site in layer_ratios(noise):
+        ok = not any(layer_of(s.key.module) == ly for s in noise.flagged)
+        rows.append([str(ly), f"x{fmt_number(ratio)}", f"x{fmt_number(excess)}", site,
+                     "ok" if ok else "MORE THAN NOISE"])
+        oks.append(ok)
+    return ["layer", "cand / control at output", "largest excess inside", "at", "status"], \
+        rows, oks
 
 
 def token_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
@@ -333,6 +357,8 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     out += [f"reference: {r.ref_path}  ", f"candidate: {r.cand_path}{_forced(r)}  "]
     if r.golden_path:
         out.append(f"golden: {r.golden_path}  ")
+    if r.control_path:
+        out.append(f"control: {r.control_path}  ")
     out += ["", "## Checks", "", _md_table(*check_rows(r)), ""]
     env = [[("**" + e.field + "**") if e.differs else e.field,
             e.ref, e.cand, "differs" if e.differs else ""] for e in r.environment]
@@ -347,6 +373,11 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     if rows:
         out += ["## Per-layer error (decoder-layer outputs: rel_l2 / cosine, max over requests;"
                 " * over tolerance)", "", _md_table(head, rows), ""]
+    head, rows, _ = control_rows(r)
+    if rows:
+        out += ["## Candidate / control per layer (mean elementwise relative error ratio; "
+                "excess: over what feeds it, more than noise above its kind's threshold)", "",
+                _md_table(head, rows), ""]
     m = r.metrics
     out += ["## Tokens and logits", "",
             f"token agreement: {_pct(m.token_agreement)} of {m.tokens_compared} generated "
@@ -447,6 +478,7 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     b.append('<p class="small mono">reference: ' + _e(r.ref_path) + "<br>candidate: "
              + _e(r.cand_path + _forced(r))
              + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
+             + (("<br>control: " + _e(r.control_path)) if r.control_path else "")
              + "</p>")
     head, rows = check_rows(r)
     b += ["<h2>Checks</h2>", _html_table(head, rows, cell_class=lambda j, c: c if j == 0 else "")]
@@ -474,6 +506,12 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         b += ["<h2>Per-layer error</h2>",
               '<p class="small">Decoder-layer outputs: rel_l2 / cosine per step, max over '
               "requests; * over tolerance.</p>",
+              _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    head, rows, oks = control_rows(r)
+    if rows:
+        b += ["<h2>Candidate / control per layer</h2>",
+              '<p class="small">Mean elementwise relative error of the candidate over the '
+              "control's, at each decoder layer's output; excess: over what feeds it.</p>",
               _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
     m = r.metrics
     b += ["<h2>Tokens and logits</h2>",

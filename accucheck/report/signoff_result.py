@@ -94,6 +94,7 @@ class SignoffResult:
     regression: Regression | None
     seconds: float
     out_dir: Path | None = None
+    control_path: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -131,8 +132,10 @@ class SignoffResult:
         """The verdict sentence: PASS / FAIL and why, in one sentence."""
         s, m = self.scenario, self.metrics
         what = f"{s.name}: {s.candidate.label} vs {s.reference.label}"
+        noise = self.analysis.location.noise
         if self.passed:
-            bits = [f"{m.records_compared} records within tolerance"]
+            bits = [f"{m.records_compared} records within tolerance" if noise is None else
+                    f"{len(noise.records)} records within the control's noise"]
             if m.max_layer_rel_l2 is not None:
                 bits.append(f"max layer rel_l2 {fmt_number(m.max_layer_rel_l2)}")
             if m.token_agreement is not None:
@@ -144,7 +147,11 @@ class SignoffResult:
             return f"PASS: {what}: " + ", ".join(bits) + "."
         fd = self.analysis.location.first_divergence
         why = []
-        if fd is not None:
+        if fd is not None and fd.noise is not None:
+            why.append(f"more than noise from step {fd.step}, {self.culprit} (excess "
+                       f"x{fmt_number(fd.noise.excess)} over the control's noise, threshold "
+                       f"x{fmt_number(fd.noise.threshold)})")
+        elif fd is not None:
             rec = self.analysis.diff.record(fd.key)
             gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
             why.append(f"divergence starts at step {fd.step}, {self.culprit} "
@@ -152,10 +159,14 @@ class SignoffResult:
                        f"{fmt_number(fd.tolerance)}{gold})")
         elif self.analysis.location.diffuse:
             fo = self.analysis.location.first_over
+            sus = self.analysis.location.suspicious
+            up = (f"; SUSPICIOUS upstream: {sus[0].key.module} ({sus[0].key}, x"
+                  f"{fmt_number(sus[0].ratio)} its peers)" if sus else "")
             why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
-                       f" first at step {fo.step} {fo.module}; no culprit named")
+                       f" first at step {fo.step} {fo.module}; no culprit named{up}")
         for c in self.failed_checks:
-            if c.name == "records" and (fd is not None or self.analysis.location.diffuse):
+            if c.name in ("records", "noise") and (fd is not None
+                                                   or self.analysis.location.diffuse):
                 continue
             why.append(c.detail)
         return f"FAIL: {what}: " + "; ".join(why) + "."

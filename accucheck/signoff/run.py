@@ -4,12 +4,13 @@ scenario, store, verdict, report (its records, the diff's JSON), tolerances; the
 
 `signoff(scenario, ref=None, cand=None, out_dir=...)` -> `SignoffResult` (bool() = pass):
 
-1. the reference, candidate (and optional golden referee) captures: given files, `capture = `
-   entries of the scenario, or runs captured here into OUT_DIR/captures/ (candidate and golden
-   teacher-forced onto the reference's tokens unless `teacher_forcing = false`);
+1. the reference, candidate (and optional golden referee and control) captures: given files,
+   `capture = ` entries of the scenario, or runs captured here into OUT_DIR/captures/
+   (candidate, golden and control teacher-forced onto the reference's tokens unless
+   `teacher_forcing = false`);
 2. `accucheck.locate.analyze` (the same diff as `accucheck diff`, with the scenario's
-   per-record tolerances);
-3. checks: per-record tolerances, optional per-layer rel L2 / cosine, logits KL, top-1 agreement,
+   per-record tolerances and control);
+3. checks: per-record tolerances (with a control instead: no site more than its noise), optional per-layer rel L2 / cosine, logits KL, top-1 agreement,
    token agreement, allowed near-tie and real token flips, regression against the last release;
 4. OUT_DIR/report.md, report.html (self-contained), report.json (docs/signoff-json.md),
    diff.json (the full diff, docs/diff-json.md), plots/*.png.
@@ -19,6 +20,7 @@ read from the diff's Analysis.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -38,7 +40,7 @@ from accucheck.verdict.locate import Analysis, analyze
 
 Progress = Callable[[str], None]
 REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")
-ROLES = ("reference", "candidate", "golden")
+ROLES = ("reference", "candidate", "golden", "control")
 # Headline metrics compared against the last release: name -> which direction is better.
 METRIC_DIRECTIONS = {
     "max_layer_rel_l2": "lower", "max_logits_kl": "lower", "records_over_tolerance": "lower",
@@ -51,7 +53,7 @@ METRIC_DIRECTIONS = {
 
 def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | None = None,
             cand: str | os.PathLike | None = None, golden: str | os.PathLike | None = None,
-            previous: str | os.PathLike | None = None,
+            control: str | os.PathLike | None = None, previous: str | os.PathLike | None = None,
             out_dir: str | os.PathLike = "reports/signoff", force: bool = False,
             progress: Progress | None = None) -> SignoffResult:
     """Run (or reuse) the captures, diff, judge, and write the report directory.
@@ -68,7 +70,7 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
     log = progress or (lambda msg: None)
     t0 = time.monotonic()
     scn = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-    scn = with_captures(scn, reference=ref, candidate=cand, golden=golden)
+    scn = with_captures(scn, reference=ref, candidate=cand, golden=golden, control=control)
     if previous is not None:
         p = Path(previous).resolve()
         if not p.is_file():
@@ -80,7 +82,7 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
     out = prepare_out_dir(out, force)
     paths = capture_runs(scn, out / "captures", force=force, progress=log)
     result = evaluate(scn, paths["reference"], paths["candidate"], paths.get("golden"),
-                      progress=log, started=t0)
+                      progress=log, started=t0, control=paths.get("control"))
     log(f"signoff: writing the report to {out}")
     write_report_safely(result, out)
     return replace(result, out_dir=out)
@@ -92,7 +94,8 @@ def capture_only(scn: Scenario, role: str, out_dir: str | os.PathLike, *,
     """`signoff --capture-only ROLE`: capture just that run into OUT_DIR/captures/ROLE.h5 (e.g.
     the reference on the GPU box), teacher-forced on `ref` when given."""
     if role not in ROLES:
-        raise UserError.usage(f"--capture-only {role}: use reference, candidate or golden")
+        raise UserError.usage(f"--capture-only {role}: use reference, candidate, golden or "
+                              f"control")
     spec = scn.run(role)
     if spec is None:
         raise UserError(f"scenario {scn.name} has no {role} run: add a [{role}] table to it, or "
@@ -151,7 +154,8 @@ def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], re
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
 
 
-_ROLE_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden"}
+_ROLE_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden",
+              "control": "control"}
 
 
 def _check_previous(previous: Path) -> None:
@@ -277,7 +281,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             from accucheck.capture.vllm_runner import capture_vllm
 
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
-        elif spec.fault is None:
+        elif spec.fault is None and spec.dither is None:
             capture_dir(model_dir, list(scn.prompts), out, opts,
                         trust_remote_code=scn.trust_remote_code, progress=log, announce=False)
         else:
@@ -288,10 +292,18 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             model, tok = load_model_dir(model_dir, parse_dtype(spec.dtype),
                                         torch_device(parse_device(spec.device)),
                                         trust_remote_code=scn.trust_remote_code)
-            log(f"signoff: PLANTED FAULT in the {role}: {spec.fault} (testing / demo only)")
-            extra = dict(extra, model_path=str(Path(model_dir).resolve()),
-                         planted_fault=str(spec.fault))
-            with planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed):
+            from accucheck.capture.faults import dithered
+
+            extra = dict(extra, model_path=str(Path(model_dir).resolve()))
+            if spec.fault is not None:
+                log(f"signoff: PLANTED FAULT in the {role}: {spec.fault} (testing / demo only)")
+                extra["planted_fault"] = str(spec.fault)
+            if spec.dither is not None:
+                extra["dither"] = spec.dither
+            with (planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed)
+                  if spec.fault is not None else contextlib.nullcontext()), \
+                    (dithered(spec.dither) if spec.dither is not None
+                     else contextlib.nullcontext()):
                 capture_model(model, list(scn.prompts), out, tokenizer=tok, progress=log,
                               opts=replace(opts, meta_extra=extra))
     except KeyboardInterrupt:
@@ -303,16 +315,20 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
 
 def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
              golden: str | os.PathLike | None = None, *, progress: Progress | None = None,
-             started: float | None = None) -> SignoffResult:
-    """Diff `cand` against `ref` (with `golden` as referee) and judge it by the scenario."""
+             started: float | None = None, control: str | os.PathLike | None = None
+             ) -> SignoffResult:
+    """Diff `cand` against `ref` (with `golden` as referee, `control` as the noise it is
+    judged against) and judge it by the scenario."""
     from accucheck.store import open_capture
 
     log = progress or (lambda msg: None)
     t0 = started if started is not None else time.monotonic()
     thr = scn.thresholds
-    log(f"signoff: diff {cand} against {ref}" + (f" (golden {golden})" if golden else ""))
+    log(f"signoff: diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
+        + (f" (control {control})" if control else ""))
     a = analyze(ref, cand, golden, tolerances=thr.tolerance_table(),
-                amplification=thr.amplification or DEFAULT_AMPLIFICATION, progress=log)
+                amplification=thr.amplification or DEFAULT_AMPLIFICATION, progress=log,
+                controls=[control] if control else ())
     with open_capture(ref) as r, open_capture(cand) as c:
         ref_meta, cand_meta = r.meta, c.meta
         tokens = token_stats(a, r.requests, c.requests)
@@ -325,7 +341,7 @@ def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
     return SignoffResult(scn, a, str(ref), str(cand), str(golden) if golden else None,
                          ref_meta, cand_meta, metrics, checks,
                          environment_rows(ref_meta, cand_meta), regression,
-                         time.monotonic() - t0)
+                         time.monotonic() - t0, control_path=str(control) if control else None)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -381,8 +397,21 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
         detail += ", none introduced (diffuse / inherited)"
     if d.basis in ("stats", "sample", "mixed"):
         detail += " [statistics / samples only: a bound and an estimate, a pass is weaker]"
-    checks.append(Check("records", m.records_over_tolerance == 0, m.records_over_tolerance, 0,
-                        "<=", detail))
+    noise = a.location.noise
+    if noise is None:
+        checks.append(Check("records", m.records_over_tolerance == 0,
+                            m.records_over_tolerance, 0, "<=", detail))
+    else:  # the control decides "more than noise?", the tolerance does not
+        n = len(noise.flagged)
+        what = (f"{n} site(s) more than the control's noise, first {noise.flagged[0].site} "
+                f"(excess x{fmt_number(noise.flagged[0].excess)}, threshold "
+                f"x{fmt_number(noise.flagged[0].threshold)})" if n else
+                f"no site more than the control's noise (largest excess "
+                f"x{fmt_number(noise.sites[0].excess)} at {noise.sites[0].site})"
+                if noise.sites else "no record the control holds")
+        checks.append(Check("noise", n == 0, n, 0, "<=",
+                            f"{what}; {m.records_over_tolerance} of {m.records_compared} "
+                            f"records over the dtype tolerance (not judged: the control is)"))
 
     def upper(name, value, limit, what):
         if limit is None:

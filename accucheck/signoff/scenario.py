@@ -29,6 +29,12 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     dtype = "float64"                       # by default (no [golden] table, reference run
                                             # here): float64 eager on the CPU, teacher-forced
     # enabled = false                       # no referee (a model too big for float64 on CPU)
+    [control]                               # optional: the control run (or capture = "..."),
+                                            # by default hf eager on the CPU at the candidate's
+                                            # dtype, teacher-forced: it decides "more than
+                                            # noise?" (verdict.noise), not the tolerances
+    dither = 1                              # TESTING ONLY (candidate / control): round like
+                                            # another device (faults.dithered(seed))
 
     [thresholds]                            # every key optional
     rel_l2 = 1e-3                           # per-record tolerance (default: dtype table)
@@ -67,7 +73,7 @@ TINY = "@tiny"
 RUNNERS = ("hf", "vllm")
 STORES = ("stats", "full")
 MODES = ("eager", "graph")
-ROLES = ("reference", "candidate", "golden")
+ROLES = ("reference", "candidate", "golden", "control")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
                   "half": "float16", "double": "float64", "float": "float32"}
@@ -100,8 +106,9 @@ class RunSpec:
     record_inputs: bool = False
     compile_backend: str | None = None
     engine_args: dict = field(default_factory=dict)   # vLLM engine options
-    teacher_forcing: bool = True      # candidate / golden: decode the reference's tokens
+    teacher_forcing: bool = True      # candidate / golden / control: the reference's tokens
     fault: Fault | None = None
+    dither: int | None = None         # TESTING: faults.dithered(seed), another device's rounding
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -113,6 +120,7 @@ class RunSpec:
         if self.capture is not None:
             return f"capture {self.capture.name}"
         s = f"{self.device} {self.dtype} {self.mode} ({self.runner})"
+        s += f" + dither seed {self.dither}" if self.dither is not None else ""
         return s + (f" + planted fault {self.fault}" if self.fault else "")
 
 
@@ -152,19 +160,20 @@ class Scenario:
     previous: Path | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
     trust_remote_code: bool = False
+    control: RunSpec | None = None
 
     def run(self, role: str) -> RunSpec | None:
         return {"reference": self.reference, "candidate": self.candidate,
-                "golden": self.golden}[role]
+                "golden": self.golden, "control": self.control}[role]
 
 
 # ----------------------------------------------------------------------------- loading
 
 _RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministic", "include",
              "exclude", "record_inputs", "compile_backend", "engine_args"}
-_RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault"}
+_RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither"}
 _TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
-             "previous", "trust_remote_code", "reference", "candidate", "golden",
+             "previous", "trust_remote_code", "reference", "candidate", "golden", "control",
              "thresholds"} | _RUN_KEYS
 _THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
@@ -265,8 +274,8 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     runs = {}
     for role in ROLES:
         if role not in data:
-            if role == "golden":
-                runs[role] = None  # the default referee is added below
+            if role in ("golden", "control"):
+                runs[role] = None  # the default referee is added below; no default control
                 continue
             runs[role] = _make_run(role, defaults, {}, src)
             continue
@@ -278,7 +287,8 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
                 raise r.fail("enabled", "= false turns the referee off: give no other key")
             runs[role] = None
             continue
-        extra = _run_fields(r, defaults)
+        extra = _run_fields(r, control_defaults(defaults, data, runs) if role == "control"
+                            else defaults)
         cap = r.get("capture", str)
         if cap is not None:
             extra["capture"] = rel(cap)
@@ -297,10 +307,13 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
                 raise r.fail("fault", "needs module = \"...\" and kind = \"bf16\" (or fp16, "
                                       "noise:REL, scale:F, act:silu_fast, act:gelu_tanh)")
             extra["fault"] = Fault(mod, kind)
+        if "dither" in t:
+            extra["dither"] = r.count("dither")
         runs[role] = _make_run(role, defaults, extra, src)
-    if runs["reference"].fault is not None:
-        raise UserError(f"{src}: reference.fault: plant faults in the candidate, the reference "
-                        f"is what is trusted")
+    for role in ("reference", "golden", "control"):
+        if runs[role] is not None and runs[role].fault is not None:
+            raise UserError(f"{src}: {role}.fault: plant faults in the candidate, the {role} "
+                            f"is what is trusted")
     if "golden" not in data and runs["reference"].capture is None:
         runs["golden"] = default_golden(defaults)
     thr = _thresholds(top.get("thresholds", dict, {}), src)
@@ -312,7 +325,17 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     name = top.get("name", str) or (path.stem if path is not None else "scenario")
     return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
                     runs["reference"], runs["candidate"], runs["golden"], previous, thr,
-                    top.get("trust_remote_code", bool, False))
+                    top.get("trust_remote_code", bool, False), runs["control"])
+
+
+def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
+    """What a `[control]` run is unless it says otherwise: the reference's code (hf, eager, on
+    the CPU: a trusted device) at the candidate's dtype, storing what the reference stores,
+    with the reference's module selection (compare.control)."""
+    ref, cand = runs["reference"], runs["candidate"]
+    return {**defaults, "runner": "hf", "device": "cpu", "mode": "eager", "dtype": cand.dtype,
+            "store": ref.store, "include": ref.include, "exclude": ref.exclude,
+            "record_inputs": ref.record_inputs, "engine_args": {}, "compile_backend": None}
 
 
 def default_golden(defaults: dict) -> RunSpec:
@@ -423,4 +446,4 @@ def with_captures(s: Scenario, **captures: str | Path | None) -> Scenario:
     return out
 
 
-_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden"}
+_FLAG = {"reference": "ref", "candidate": "cand", "golden": "golden", "control": "control"}
