@@ -5,7 +5,7 @@ and label named, not just "a divergence was found". Slow: run in CI (`-m ""`).""
 from __future__ import annotations
 
 import statistics
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import pytest
 
@@ -14,6 +14,7 @@ from accucheck.capture.faults import planted
 from accucheck.verdict.locate import analyze, peer_kind
 from accucheck.report.diff import render, to_json, verdict_line
 from accucheck.compare.tolerances import NOISE_FLOOR_FACTOR
+from diffcases import fp16_softmax
 
 pytestmark = pytest.mark.slow
 
@@ -131,37 +132,6 @@ def test_noise_floor_margin_on_the_real_model(real):
         if len(peers) >= 3:
             worst = max(worst, g / max(statistics.median(peers), 1.0))
     assert 1.0 < worst < NOISE_FLOOR_FACTOR / 2
-
-
-@contextmanager
-def fp16_softmax(model, layer: int):
-    """Layer `layer`'s attention computes its softmax in float16 (a downgraded kernel)."""
-    import torch
-    import transformers.models.llama.modeling_llama as ml
-    from transformers import AttentionInterface
-
-    def attn(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-        if module.layer_idx != layer:
-            return ml.eager_attention_forward(module, query, key, value, attention_mask,
-                                              scaling, dropout, **kw)
-        k = ml.repeat_kv(key, module.num_key_value_groups)
-        v = ml.repeat_kv(value, module.num_key_value_groups)
-        w = torch.matmul(query, k.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            w = w + attention_mask
-        w = torch.softmax(w.half(), dim=-1).to(query.dtype)
-        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
-
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register("accucheck_fp16_softmax", attn)
-    # the additive float mask eager attention expects (an unknown implementation gets another)
-    AttentionMaskInterface.register("accucheck_fp16_softmax", eager_mask)
-    model.set_attn_implementation("accucheck_fp16_softmax")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation("eager")
 
 
 def test_fp16_softmax_inside_fp32_is_named_with_the_precision_finding(real):
