@@ -6,6 +6,8 @@ Signals during a capture: tests/test_signals.py.
 """
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import shutil
@@ -650,8 +652,12 @@ def test_cache_argument_follows_a_renamed_parameter(tiny):
     from accucheck.capture.hf import cache_argument, greedy_run
 
     model, _ = tiny
-    assert cache_argument(model) == "past_key_values"
-    assert cache_argument(torch.compile(model)) == "past_key_values"
+    # the name this transformers takes (past_key_values up to 5.23, cache from 5.24)
+    name = cache_argument(model)
+    assert name in inspect.signature(model.forward).parameters
+    assert name == ("cache" if "cache" in inspect.signature(model.forward).parameters
+                    else "past_key_values")
+    assert cache_argument(torch.compile(model)) == name
 
     class Renamed(torch.nn.Module):
         def __init__(self):
@@ -660,7 +666,7 @@ def test_cache_argument_follows_a_renamed_parameter(tiny):
 
         @deprecate_kwarg("past_key_values", new_name="cache", version="99.0")
         def forward(self, input_ids=None, cache: "Cache | None" = None, use_cache=None):  # noqa: F821
-            return self.inner(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
+            return self.inner(input_ids=input_ids, use_cache=use_cache, **{name: cache})
 
     m = Renamed()
     assert cache_argument(m) == "cache"

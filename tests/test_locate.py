@@ -19,7 +19,7 @@ def caps(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("locate")
     ref = diffcases.make("ref", model, tok, d / "ref.h5")
     out = {"ref": ref}
-    for k in ("same", "bf16", "norm_bf16", "act_silu", "fused_norm", "threads1"):
+    for k in ("same", "bf16", "norm_bf16", "act_silu", "fused_norm", "fp32_dither"):
         out[k] = diffcases.make(k, model, tok, d / f"{k}.h5", ref)
     return out
 
@@ -30,7 +30,7 @@ def test_identical_captures_pass(caps):
     assert a.location.first_divergence is None and not a.location.top
 
 
-@pytest.mark.parametrize("kind", ["fused_norm", "threads1"])
+@pytest.mark.parametrize("kind", ["fused_norm", "fp32_dither"])
 def test_equivalent_computation_names_no_culprit(caps, kind):
     """F.rms_norm for every RMSNorm, or fp32 reordering noise: pass, nobody blamed."""
     a = analyze(caps["ref"], caps[kind])

@@ -35,6 +35,10 @@ DRIVER = textwrap.dedent('''
     from pathlib import Path
 
     sig = getattr(signal, sys.argv[1])
+    # the disposition this test needs, whatever this process inherited (a background job
+    # inherits SIGINT ignored): Python's own for SIGINT, the default for SIGTERM
+    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    before = signal.getsignal(sig)
     model, work = sys.argv[2], Path(sys.argv[3])
     cases = json.loads(sys.argv[4])
     import accucheck.capture.api as api
@@ -97,8 +101,7 @@ DRIVER = textwrap.dedent('''
         os.dup2(saved, 2)
         os.close(saved)
         results[name] = {"code": code, "stderr": err_path.read_text(),
-                         "handler_restored": signal.getsignal(sig) in
-                         (signal.SIG_DFL, signal.default_int_handler)}
+                         "handler_restored": signal.getsignal(sig) is before}
     (work / "results.json").write_text(json.dumps(results))
 ''')
 
@@ -122,6 +125,7 @@ def one_error_line(err: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.signals
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_signal_at_a_known_step_ends_the_capture_cleanly(sig, tiny_dir, tmp_path, capsys):
     keep = tmp_path / "keep.h5"
@@ -172,9 +176,23 @@ def test_signal_at_a_known_step_ends_the_capture_cleanly(sig, tiny_dir, tmp_path
     assert e.value.code == 3 and "incomplete" in err and "Traceback" not in err
 
 
-def test_the_handler_only_records_and_a_second_signal_raises_at_once():
+@pytest.fixture
+def dispositions():
+    """Sets SIGINT / SIGTERM to what the test says, and puts back what was inherited."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def set_(**how):
+        for name, handler in how.items():
+            signal.signal(getattr(signal, name), handler)
+    yield set_
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_the_handler_only_records_and_a_second_signal_raises_at_once(dispositions):
     from accucheck.capture.api import interruptible
 
+    dispositions(SIGINT=signal.default_int_handler, SIGTERM=signal.SIG_DFL)
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         with interruptible() as guard:
             os.kill(os.getpid(), signal.SIGTERM)  # recorded, nothing raised here
@@ -188,3 +206,27 @@ def test_the_handler_only_records_and_a_second_signal_raises_at_once():
         # leaving the block with a recorded signal interrupts too
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_inherited_ignored_sigint_stays_ignored_and_is_restored(dispositions):
+    """A background job inherits SIGINT ignored: the capture must not start listening to it,
+    and leaves it ignored. SIGTERM, set to a handler of the caller's, is recorded and then
+    restored to that very handler."""
+    from accucheck.capture.api import interruptible
+
+    seen = []
+
+    def callers(signum, frame):
+        seen.append(signum)
+    dispositions(SIGINT=signal.SIG_IGN, SIGTERM=callers)
+    with interruptible() as guard:
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: nothing recorded, nothing raised
+        sum(range(1000))
+        assert guard.signum is None
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) is callers and seen == []
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with interruptible():
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))
+    assert signal.getsignal(signal.SIGTERM) is callers and seen == []

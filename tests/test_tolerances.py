@@ -220,7 +220,7 @@ def cal(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
     ref = diffcases.make("ref", model, tok, d / "ref.h5")
     return {k: diffcases.make(k, model, tok, d / f"{k}.h5", ref)
-            for k in ("threads1", "fp64", "norm_bf16")} | {"ref": ref}
+            for k in ("fp32_dither", "fp64", "norm_bf16")} | {"ref": ref}
 
 
 def _max_error(ref, cand):
@@ -230,9 +230,10 @@ def _max_error(ref, cand):
 
 
 def test_calibration_fp32_noise_passes_with_margin(cal):
-    """fp32 reordering noise (1 vs 2 threads, both set explicitly by diffcases, so the same on
-    every machine; fp32 vs float64) passes, >= 5x below tolerance."""
-    for kind in ("threads1", "fp64"):
+    """fp32 reordering noise (made by the test: a one-ULP dither of a quarter of every rounding
+    op's output, diffcases "fp32_dither"; fp32 vs float64) passes, >= 5x below tolerance, and
+    is not zero (the noise exists: the test made it)."""
+    for kind in ("fp32_dither", "fp64"):
         d = _max_error(cal["ref"], cal[kind])
         assert d.within, kind
         worst = max(r.error for r in d.records)

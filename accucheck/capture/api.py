@@ -660,13 +660,20 @@ def _signame(signum: int) -> str:
 
 @contextmanager
 def interruptible() -> Iterator[Interrupts]:
-    """Install the recording handler for SIGINT and SIGTERM (main thread only), restore the old
-    handlers on exit; a signal recorded during the block interrupts it when it ends."""
+    """Install the recording handler for SIGINT and SIGTERM (main thread only) and restore
+    exactly the dispositions found on exit; a signal recorded during the block interrupts it
+    when it ends. A signal whose disposition is SIG_IGN stays ignored, as Python leaves an
+    ignored SIGINT it inherits (a job started with `nohup` or `cmd &` from a non-interactive
+    shell): the one who started us asked for it not to stop us."""
     guard = Interrupts()
     old = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, guard._handler)
+            found = signal.getsignal(sig)
+            if found is signal.SIG_IGN or found is None:  # ignored, or set outside Python
+                continue
+            old[sig] = found
+            signal.signal(sig, guard._handler)
     except ValueError:  # not in the main thread: signals stay as they were
         pass
     try:

@@ -233,9 +233,8 @@ def greedy_run(forward: Callable, prompt_ids: Sequence[int], device: torch.devic
 
 def cache_argument(forward: Callable) -> str:
     """The name under which this model's forward takes the KV cache: `past_key_values` in
-    transformers 4.45 ... 5.x; should a release rename it (deprecating the old name with a
-    FutureWarning), the parameter annotated with a Cache type, so that no deprecated argument
-    is ever passed."""
+    transformers up to 5.23, `cache` from 5.24 (which deprecates the old name); in general the
+    parameter annotated with a Cache type, so that no deprecated argument is ever passed."""
     fn = getattr(getattr(forward, "_orig_mod", forward), "forward", forward)
     try:
         params = inspect.signature(fn).parameters
@@ -252,12 +251,16 @@ def cache_argument(forward: Callable) -> str:
 
 
 def _cache_of(out) -> object | None:
-    """The KV cache a forward returned (`past_key_values`, or whichever output field holds a
-    transformers Cache)."""
-    past = getattr(out, "past_key_values", None)
-    if past is not None or not hasattr(out, "items"):
-        return past
-    for _, v in out.items():
-        if type(v).__name__.endswith("Cache"):
-            return v
-    return None
+    """The KV cache a forward returned: the output field `cache` (transformers 5.24 and later,
+    where reading `past_key_values` warns that it is deprecated), else `past_key_values`,
+    else whichever field holds a transformers Cache."""
+    if hasattr(out, "keys"):
+        keys = list(out.keys())
+        for name in ("cache", "past_key_values"):
+            if name in keys:
+                return out[name]
+        for k in keys:
+            if type(out[k]).__name__.endswith("Cache"):
+                return out[k]
+        return None
+    return getattr(out, "past_key_values", None)
