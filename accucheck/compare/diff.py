@@ -344,15 +344,18 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
         notes = [n for t in T for n in check_control(
             R, t, C, allow_model_mismatch=allow_model_mismatch)]
         result = _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
-        return _with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
-                                               None).run() for t in T], notes)
+        return with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
+                                              None).run() for t in T], notes)
     finally:
         for r in opened:
             r.close()
 
 
-def _with_controls(d: DiffResult, ctl: list[DiffResult], notes: list[str]) -> DiffResult:
-    """`d` with each record's error in every control run (`RecordDiff.control`)."""
+def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str] = ()
+                  ) -> DiffResult:
+    """`d` with each record's error in every control run (`RecordDiff.control`): `ctl` are
+    the diffs of the control runs against the same reference (what `diff_captures(...,
+    controls=...)` computes; a benchmark judging many candidates reuses them)."""
     if not ctl:
         return d
     errs = [{str(r.key): r.elem_error for r in c.records} for c in ctl]

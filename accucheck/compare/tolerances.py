@@ -62,15 +62,17 @@ NOISE_FLOOR_FACTOR = 5.0
 # Control rule (verdict.noise, with --control): a site (a record key without request and
 # step) is "more than noise" when the geometric mean over its records of its excess ratio
 # (its error / the control's, over what feeds it) stands CONTROL_Z spreads above its kind's
-# (the same module kind in other layers: median and MAD of their log ratios, the median capped
-# at 1 so a fault in every layer still shows) and is at least CONTROL_MIN_RATIO. A kind with
-# fewer than CONTROL_MIN_PEERS sites (logits, rotary, the final norm) uses
-# CONTROL_PEERLESS_SPREAD; no spread is taken below CONTROL_SPREAD_FLOOR. An error below
+# location (the same module kind within CONTROL_WINDOW layers: their median log excess, capped
+# at 0 so a fault in every layer still shows; the spread from the steps between consecutive
+# layers) and is at least CONTROL_MIN_RATIO. A kind with fewer than CONTROL_MIN_PEERS sites
+# (logits, rotary, the final norm) uses CONTROL_PEERLESS_SPREAD; no spread is taken below
+# CONTROL_SPREAD_FLOOR. An error below
 # CONTROL_ERROR_FLOOR x the record's tolerance is never more than noise. Chosen from the
 # false-alarm / power table of bench/bench_control.py (docs/control.md).
 CONTROL_Z = 5.0
 CONTROL_MIN_RATIO = 1.15
 CONTROL_MIN_PEERS = 5
+CONTROL_WINDOW = 4
 CONTROL_SPREAD_FLOOR = 0.03
 CONTROL_PEERLESS_SPREAD = 0.1
 CONTROL_ERROR_FLOOR = 0.01

@@ -155,22 +155,23 @@ def _control_line(a: Analysis, weaker: str) -> str:
     noise, fd = L.noise, L.first_divergence
     k = len(noise.controls)
     ctl = f"{k} control run{'s' if k > 1 else ''}"
+    whose = "the control run's" if k == 1 else f"the {k} control runs'"
     flip = next((f for f in d.flips if f.near_tie is not True), None)
     if fd is not None:
         s = fd.noise
         x = noise.record(fd.key)
         made = (f" (an input no record produced: code of {fd.path[-1]} that no record covers)"
                 if fd.key.role == "in" and fd.path else "")
-        return (f"FAIL: more than noise from {_where(fd)}{made}: x{_g(x.ratio)} the "
-                f"{ctl}' error, what feeds it x{_g(x.input_ratio)}; excess x{_g(s.excess)} "
+        return (f"FAIL: more than noise from {_where(fd)}{made}: x{_g(x.ratio)} "
+                f"{whose} error, what feeds it x{_g(x.input_ratio)}; excess x{_g(s.excess)} "
                 f"over the site's {s.records} records (more than noise above "
                 f"x{_g(s.threshold)}) -> introduced here{weaker}")
     if flip is not None:
         return (f"FAIL: generated token differs at request {flip.req} step {flip.step} (ref "
                 f"{flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no record is "
-                f"more than the {ctl}' noise{weaker}")
+                f"more than {whose} noise{weaker}")
     top = noise.sites[0] if noise.sites else None
-    worst = (f"; largest excess x{_g(top.excess)} at {top.site} (more than noise above "
+    worst = (f"; closest to more than noise: {top.site}, excess x{_g(top.excess)} (threshold "
              f"x{_g(top.threshold)})") if top is not None else ""
     over = sum(not r.within_tolerance for r in d.records)
     tol = f"; {over} over the dtype tolerance, as the control is" if over else ""

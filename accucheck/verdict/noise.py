@@ -18,9 +18,14 @@ every record. The candidate is compared with it record by record:
 - a kernel fault is systematic: it shows in every call of its site. So the evidence of a
   site (module, call, role, slot) is the geometric mean of its records' excess over every
   request and step, and the site is judged against its kind (the same module kind and slot in
-  the other layers, keys.peer_kind): more than noise when its log excess is
-  CONTROL_Z robust spreads above its kind's median (capped at 0, so a fault in every layer
-  stays visible) and the ratio is at least CONTROL_MIN_RATIO (compare.tolerances, CONTROL_*).
+  the other layers, keys.peer_kind): more than noise when its log excess stands CONTROL_Z
+  spreads above its location and the excess is at least CONTROL_MIN_RATIO
+  (compare.tolerances, CONTROL_*). The location is the median of the kind's sites within
+  CONTROL_WINDOW layers, capped at 0 (an excess of 1), so that a fault in every layer stays
+  visible; the spread is the robust spread of the steps between consecutive layers' log
+  excess (1.4826 x their median / sqrt 2): a fault shifts every layer after it from "less
+  noisy than the control, by chance" to "exactly as noisy as what feeds it", a step that
+  would inflate a plain spread across layers, but is one step among thirty;
 
 Named: the flagged site's first record, in execution order, whose own excess is over the
 site's threshold (else its largest). The first flagged site is the first divergence; the
@@ -35,7 +40,7 @@ import statistics
 from accucheck.compare.diff import DiffResult, RecordDiff
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
                                           CONTROL_MIN_RATIO, CONTROL_PEERLESS_SPREAD,
-                                          CONTROL_SPREAD_FLOOR, CONTROL_Z)
+                                          CONTROL_SPREAD_FLOOR, CONTROL_WINDOW, CONTROL_Z)
 from accucheck.keys import is_layer_block, layer_of, peer_kind
 from accucheck.verdict.types import NoiseSite, NoiseVerdict, RecordLocation, RecordNoise
 
@@ -71,15 +76,20 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
         kinds.setdefault(peer_kind(xs[0][1].key), []).append(s)
     sites = []
     for kind, members in kinds.items():
-        logs = [math.log(gm[s]) for s in members]
-        if len(members) >= CONTROL_MIN_PEERS and any(
-                layer_of(by_site[s][0][1].key.module) is not None for s in members):
-            med = statistics.median(logs)
-            mad = statistics.median(abs(v - med) for v in logs)
-            location, spread = min(med, 0.0), max(1.4826 * mad, CONTROL_SPREAD_FLOOR)
-        else:
-            location, spread = 0.0, CONTROL_PEERLESS_SPREAD
+        layers = {s: layer_of(by_site[s][0][1].key.module) for s in members}
+        judged = len(members) >= CONTROL_MIN_PEERS and None not in layers.values()
+        if judged:
+            chain = sorted(members, key=lambda s: (layers[s], s))
+            logs = [math.log(gm[s]) for s in chain]
+            steps = [abs(a - b) for a, b in zip(logs, logs[1:])]
+            spread = max(1.4826 * statistics.median(steps) / math.sqrt(2), CONTROL_SPREAD_FLOOR)
         for s in members:
+            if judged:
+                near = [math.log(gm[t]) for t in members
+                        if t != s and abs(layers[t] - layers[s]) <= CONTROL_WINDOW]
+                location = min(statistics.median(near), 0.0) if near else 0.0
+            else:
+                location, spread = 0.0, CONTROL_PEERLESS_SPREAD
             xs = sorted(by_site[s], key=lambda p: (p[0].key.step, p[0].key.req, p[0].order))
             limit = max(math.exp(location + CONTROL_Z * spread), CONTROL_MIN_RATIO)
             named = next((x for _, x in xs if x.excess > limit),

@@ -1,0 +1,130 @@
+"""`accucheck capture --control-for REF` and `accucheck diff --control CTL` on the tiny model:
+what a control takes from its reference, what diff refuses, and the verdict it decides."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from accucheck.cli import main
+from accucheck.store import open_capture
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog", "Accuracy of large language models",
+           "A control run measures what the precision costs", "one two three four five"]
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+@pytest.fixture(scope="module")
+def files(tiny, tiny_dir, tmp_path_factory):
+    """ref (fp32, CLI), ctl (capture --control-for, CLI: plain bf16 on the CPU), a clean bf16
+    candidate and one with a fault, teacher-forced. The candidates round as the control does
+    (plain bf16): a candidate that rounds otherwise needs a control that does too (the dithered
+    runs of tests/test_control.py); here the clean one may even be bitwise the control."""
+    from accucheck.capture.api import capture_model
+    from accucheck.capture.faults import planted
+
+    d = tmp_path_factory.mktemp("ctlcli")
+    with pytest.raises(SystemExit) as e:
+        main(["capture", str(tiny_dir), *sum((["--prompt", p] for p in PROMPTS), []),
+              "--max-new-tokens", "2", "--store", "full", "-o", str(d / "ref.h5")])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["capture", str(tiny_dir), "--control-for", str(d / "ref.h5"), "--dtype",
+              "bfloat16", "-o", str(d / "ctl.h5")])
+    assert e.value.code == 0
+    import torch
+    from accucheck.capture.hf import load_model_dir
+
+    # loaded as the CLI loads it (from_pretrained in bfloat16 keeps the rotary inv_freq in
+    # float32; .to(bfloat16) of a float32 model would round it: a real precision difference
+    # the control shows at model.rotary_emb)
+    model, tok = load_model_dir(tiny_dir, torch.bfloat16, torch.device("cpu"))
+    kw = dict(tokenizer=tok, store="full", max_new_tokens=2, tokens_from=str(d / "ref.h5"))
+    capture_model(model, PROMPTS, d / "clean.h5", **kw)
+    with planted(model, "model.layers.2.mlp.down_proj", "tile:0.1"):
+        capture_model(model, PROMPTS, d / "fault.h5", **kw)
+    fp32, _ = tiny
+    capture_model(fp32, PROMPTS, d / "fp32.h5", **kw)
+    return d
+
+
+def test_control_for_takes_prompts_tokens_and_selection_from_the_reference(files):
+    with open_capture(files / "ref.h5") as r, open_capture(files / "ctl.h5") as c:
+        assert c.meta["dtype"] == "bfloat16" and c.meta["mode"] == "eager"
+        assert c.meta["control_for"] == str(files / "ref.h5")
+        assert c.store_mode == r.store_mode == "full"
+        assert [list(q.prompt_ids) for q in c.requests] == [list(q.prompt_ids) for q in r.requests]
+        assert [list(q.generated_ids) for q in c.requests] == \
+            [list(q.generated_ids) for q in r.requests]
+        assert {row.key for row in c.rows} == {row.key for row in r.rows}
+
+
+def test_diff_with_a_control_names_the_fault_and_passes_the_clean_one(files, capsys):
+    code, out, _ = run(["diff", files / "ref.h5", files / "fault.h5", "--control",
+                        files / "ctl.h5"], capsys)
+    assert code == 1
+    assert out.startswith("FAIL: more than noise from step 0, model.layers.2.mlp.down_proj "
+                          "(out.0)")
+    assert "CULPRIT: step 0, model.layers.2.mlp.down_proj#0" in out
+    assert "Control (more than noise?)" in out
+    code, out, _ = run(["diff", files / "ref.h5", files / "fault.h5", "--control",
+                        files / "ctl.h5", "--format", "json"], capsys)
+    j = json.loads(out)
+    assert j["culprit"]["module"] == "model.layers.2.mlp.down_proj"
+    assert j["control"]["paths"] == [str(files / "ctl.h5")]
+    assert j["control"]["flagged"][0]["site"] == "model.layers.2.mlp.down_proj#0:out.0"
+    code, out, _ = run(["diff", files / "ref.h5", files / "clean.h5", "--control",
+                        files / "ctl.h5"], capsys)
+    assert code == 0 and out.startswith("PASS: ") and "within the noise of 1 control run" in out
+
+
+def test_diff_refuses_a_control_that_does_not_follow_the_reference(files, tiny_dir, capsys):
+    # a capture of other prompts
+    code, _, _ = run(["capture", tiny_dir, "--prompt", "something else", "-o",
+                      files / "other.h5"], capsys)
+    assert code == 0
+    code, _, err = run(["diff", files / "ref.h5", files / "clean.h5", "--control",
+                        files / "other.h5"], capsys)
+    assert code == 3 and "--control-for" in err and len(err.strip().splitlines()) == 1
+    # -o must not be a control
+    code, _, err = run(["diff", files / "ref.h5", files / "clean.h5", "--control",
+                        files / "ctl.h5", "-o", files / "ctl.h5", "--force"], capsys)
+    assert code == 2 and "--control #1" in err
+
+
+def test_a_control_at_another_dtype_than_the_candidate_is_said(files, capsys):
+    code, out, _ = run(["diff", files / "ref.h5", files / "fp32.h5", "--control",
+                        files / "ctl.h5"], capsys)
+    assert "control " in out and "computes in bfloat16, the candidate in float32" in out
+
+
+def test_control_for_refuses_prompts_and_modes(files, tiny_dir, capsys):
+    for extra in (["--prompt", "x"], ["--tokens-from", files / "ref.h5"],
+                  ["--mode", "graph"]):
+        code, _, err = run(["capture", tiny_dir, "--control-for", files / "ref.h5", "-o",
+                            files / "nope.h5", *extra], capsys)
+        assert code == 2 and "--control-for takes the prompts" in err
+    assert not (files / "nope.h5").exists()
+
+
+def test_rotary_tables_rounded_to_bf16_are_named_at_rotary_emb(files, tiny, capsys):
+    """A candidate made by `.to(bfloat16)` of a float32 model rounds the rotary inv_freq
+    buffer to bf16 (from_pretrained in bfloat16 keeps it float32, as the control did): every
+    rotary table is about twice as wrong. Within the bf16 tolerance; the control names it."""
+    from accucheck.capture.api import capture_model
+
+    model, tok = tiny
+    capture_model(model, PROMPTS, files / "cast.h5", tokenizer=tok, store="full",
+                  max_new_tokens=2, dtype="bfloat16", tokens_from=str(files / "ref.h5"))
+    code, out, _ = run(["diff", files / "ref.h5", files / "cast.h5", "--control",
+                        files / "ctl.h5"], capsys)
+    assert code == 1 and "model.rotary_emb (out." in out.splitlines()[0]
+    assert "\nCULPRIT: step 0, " in out and "model.rotary_emb#0\n" in out
+    code, out, _ = run(["diff", files / "ref.h5", files / "cast.h5"], capsys)
+    assert "model.rotary_emb#0\n" not in out  # the tolerance alone does not see it
