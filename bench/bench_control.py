@@ -14,14 +14,8 @@ The runs (all HF eager, store full, teacher-forced on the reference's tokens):
 - faulty candidates: a clean candidate (its own dither seed) with one graded fault planted,
   sized so that the faulty record's rel_l2 error is s x its natural noise (the controls' rel_l2
   at that record, RMS over its requests and steps), s in 1.25, 1.5, 2, 4: the fault alone
-  adds e0 * sqrt(s^2 - 1). Faults, each in code no record covers:
-    norm    model.layers.L.post_attention_layernorm, norm:part:D (variance over part of the row)
-    linear  model.layers.L.mlp.down_proj, tile:D (one K tile accumulated with a wrong scale)
-    act     model.layers.L.mlp.act_fn, act:slope:D (a wrong constant inside SiLU)
-    core    model.layers.L.self_attn, op:aten._softmax:inscale:1+D (the attention core, between
-            q/k/v_proj and o_proj: seen at o_proj's input, blamed on self_attn)
-    rotary  model.rotary_emb, op:aten.cos|aten.sin:inscale:1+D (rotary angles off)
-  at L in 3, 14, 26 (rotary: once).
+  adds e0 * sqrt(s^2 - 1). The faults (tests/planting.py), each in code no record covers:
+  norm, linear (down_proj), act, the attention core, rotary, at L in 3, 14, 26 (rotary: once).
 
 A clean pair is a false alarm when anything is named: with control, a site more than noise;
 without (today's rules), a culprit or a SUSPICIOUS record. A faulty pair is "named" when the
@@ -37,13 +31,15 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:  # runnable from a source checkout
         sys.path.insert(0, str(p))
+
+from planting import KINDS, fault, natural_noise, site_rel_l2, size_fault  # noqa: E402
 
 PROMPT_SETS = {
     "A": ["def fibonacci(n):", "The capital of France is", "Once upon a time, a small robot",
@@ -56,26 +52,6 @@ PROMPT_SETS = {
 STEPS = 2
 STRENGTHS = (1.25, 1.5, 2.0, 4.0)
 DEPTHS = (3, 14, 26)
-KINDS = ("norm", "linear", "act", "core", "rotary")
-
-
-def fault(kind: str, layer: int, d: float) -> tuple[tuple[str, str], str, str]:
-    """((module, fault spec), the record it shows at, the module a right verdict names)."""
-    L = f"model.layers.{layer}"
-    if kind == "norm":
-        m = f"{L}.post_attention_layernorm"
-        return (m, f"norm:part:{d:.6g}"), f"{m}#0:out.0", m
-    if kind == "linear":
-        m = f"{L}.mlp.down_proj"
-        return (m, f"tile:{d:.6g}"), f"{m}#0:out.0", m
-    if kind == "act":
-        m = f"{L}.mlp.act_fn"
-        return (m, f"act:slope:{d:.6g}"), f"{m}#0:out.0", m
-    if kind == "core":
-        m = f"{L}.self_attn"
-        return (m, f"op:aten._softmax:inscale:{1 + d:.8g}"), f"{m}.o_proj#0:in.0", m
-    m = "model.rotary_emb"
-    return (m, f"op:aten.cos|aten.sin:inscale:{1 + d:.8g}"), f"{m}#0:out.0", m
 
 
 class Runs:
@@ -133,33 +109,13 @@ class Runs:
         return self.capture(f"ctl{i}", pset, seed=1000 + i)
 
 
-def site_rel_l2(ref: Path, cand: Path, site: str) -> float:
-    """rel_l2 of `site`, RMS over its requests and steps."""
-    from accucheck.compare.diff import diff_captures
-
-    d = diff_captures(ref, cand, include=(f"*{site}",))
-    errs = [r.error for r in d.records if r.key.site == site]
-    return math.sqrt(sum(e * e for e in errs) / len(errs))
-
-
 def calibrate(runs: Runs, kind: str, layer: int, s: float, noise: float, pset: str) -> float:
-    """The fault strength D whose error alone at its record is noise * sqrt(s^2 - 1): two
-    secant steps on fault-only runs (the reference's dtype, no dither, only the module)."""
-    target = noise * math.sqrt(s * s - 1)
-    d = 0.01
-    for it in range(3):
-        planted, site, _ = fault(kind, layer, d)
-        inc = (planted[0] + ".o_proj",) if kind == "core" else (planted[0],)
-        dtype = "float32" if runs.regime == "fp32" else "bfloat16"
-        p = runs.capture(f"cal-{kind}{layer}-{d:.6g}", pset, dtype=dtype, planted=planted,
-                         include=inc)
-        f = site_rel_l2(runs.ref(pset), p, site)
-        if f <= 0 or not math.isfinite(f):
-            return math.nan
-        d = d * target / f
-        if kind == "norm" and d > 1.0:  # the fault saturates: variance of part of the row
-            return math.nan
-    return d
+    """tests/planting.size_fault on fault-only runs of this reference's dtype."""
+    dtype = "float32" if runs.regime == "fp32" else "bfloat16"
+
+    def capture(name, planted, include):
+        return runs.capture(name, pset, dtype=dtype, planted=planted, include=include)
+    return size_fault(capture, runs.ref(pset), kind, layer, s, noise)
 
 
 class Judge:
@@ -236,8 +192,7 @@ def main(argv=None) -> int:
     for kind in KINDS:
         for layer in (depths if kind != "rotary" else (0,)):
             _, site, expect = fault(kind, layer, 0.0)
-            noise = math.sqrt(sum(site_rel_l2(runs.ref(p), c, site) ** 2 for c in ctl[p])
-                              / len(ctl[p]))
+            noise = natural_noise(runs.ref(p), ctl[p], site)
             for s in strengths:
                 d = calibrate(runs, kind, layer, s, noise, p)
                 if not math.isfinite(d):

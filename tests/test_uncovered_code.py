@@ -148,3 +148,22 @@ def test_fp16_softmax_inside_fp32_attention_at_module_level_names_self_attn(tiny
     assert c is not None and c.where == "model.layers.1.self_attn#0"
     assert str(c.seen_at).endswith("model.layers.1.self_attn.o_proj#0:in.0")
     assert np.isfinite(c.error) and c.error > c.tolerance
+
+
+def test_an_op_input_no_dumped_op_produced_names_the_module_and_that_op(tmp_path):
+    """msprobe-style op records without links: a norm casts to bf16 between its dumped ops
+    (Tensor.to is not dumped), so mul's input already differs while rsqrt's output does not.
+    The old rule called every "in" record inherited: mul's output was explained by its input,
+    the norm by mul, and nothing was named. The cast is the norm's code before mul."""
+    run = Run()
+    n = "r0.s0:model.layers.0.post_attention_layernorm#0"
+    run.add("r0.s0:model.embed_tokens#0:out.0")
+    for i, op in enumerate(("Tensor.pow", "torch.rsqrt")):
+        run.add(f"{n}/{op}@{i}:in.0").add(f"{n}/{op}@{i}:out.0")
+    run.add(f"{n}/Tensor.__mul__@2:in.0", 1e-3).add(f"{n}/Tensor.__mul__@2:out.0", 1e-3)
+    run.add(f"{n}:out.0", 1e-3)
+    a = run.analyze(tmp_path)
+    c = a.culprit
+    assert c.where == "model.layers.0.post_attention_layernorm#0 / Tensor.__mul__@2"
+    assert str(c.seen_at) == f"{n}/Tensor.__mul__@2:in.0"
+    assert "between its recorded ops" in render(a)

@@ -124,6 +124,8 @@ def find_culprit(a: Located) -> Culprit | None:
         call = next((r.key.call for r in d.records if r.key.module == module
                      and r.key.op is None and (r.key.req, r.key.step) == (req, step)
                      and r.order > target.order), 0)
+    elif k.role == "in" and k.op is not None:  # code between the module's recorded ops
+        seen_at = k
     mod_rec = target if k.op is None and seen_at is None else next(
         (r for r in d.records if r.key.op is None and r.key.role == "out" and r.key.req == req
          and r.key.step == step and r.key.module == module and r.key.call == call), None)
@@ -177,7 +179,10 @@ def culprit_lines(c: Culprit) -> list[str]:
 
     head = (f"CULPRIT: step {c.step}, " + (f"request {c.req}, " if c.req else "") + c.where)
     lines = [head]
-    if c.seen_at is not None:
+    if c.seen_at is not None and c.op is not None:
+        lines.append(f"  made by code of {c.module} between its recorded ops (a cast or an op "
+                     f"the capture or dump leaves out), seen at {c.seen_at}")
+    elif c.seen_at is not None:
         lines.append(f"  made by code of {c.module} that no record covers (between its recorded "
                      f"children), seen at {c.seen_at}")
     what = "op output" if c.op is not None else "input" if c.seen_at is not None \
