@@ -16,9 +16,11 @@ from pathlib import Path
 
 import click
 
+from accucheck.capture.tiny import TINY_ARCHS  # no torch: built lazily
 from accucheck.errors import EXIT_BAD_INPUT, EXIT_USAGE, UserError, one_line
 
 TINY = "@tiny"
+TINY_MOE = "@tiny-moe"  # the built-in tiny Qwen3-MoE
 
 
 def err(msg: str) -> None:
@@ -35,10 +37,10 @@ def cli() -> None:
 
 
 def _model_dir(model: str) -> Path:
-    if model == TINY:
+    if model in (TINY, TINY_MOE):
         from accucheck.capture.tiny import tiny_model_dir
 
-        return tiny_model_dir()
+        return tiny_model_dir(arch="llama" if model == TINY else "qwen3_moe")
     return Path(model)
 
 
@@ -87,6 +89,11 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--deterministic", is_flag=True, help="deterministic algorithms (slower)")
 @click.option("--tokens-from", type=click.Path(dir_okay=False),
               help="teacher forcing: follow this reference capture's prompt and generated tokens")
+@click.option("--routing-from", type=click.Path(dir_okay=False),
+              help="MoE routing replay: every router call uses this reference capture's expert "
+                   "ids (teacher forcing for experts; implies --tokens-from it; eager, hf)")
+@click.option("--routing-weights", is_flag=True,
+              help="with --routing-from: also the reference's routing weights")
 @click.option("--control-for", type=click.Path(dir_okay=False),
               help="make a control run of this reference capture: its prompts, tokens, store "
                    "mode, module selection and steps, here at --dtype (default: the "
@@ -104,10 +111,11 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="overwrite the output file")
 def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
-            control_for, compression, compile_backend, observer_check, engine_args,
-            trust_remote_code, list_modules, force, level="module", shadow=None):
-    """Run MODEL (a local Hugging Face directory, or @tiny for the built-in tiny Llama) on the
-    prompts and write one HDF5 capture."""
+            routing_from, routing_weights, control_for, compression, compile_backend,
+            observer_check, engine_args, trust_remote_code, list_modules, force, level="module",
+            shadow=None):
+    """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
+    for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
     from accucheck.capture.api import CaptureOptions
 
     if not out and not list_modules:
@@ -115,12 +123,16 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                               "modules that would be hooked)")
     if engine_args and runner != "vllm":
         raise UserError.usage("--engine-arg is for --runner vllm")
+    if routing_from and runner != "hf":
+        raise UserError.usage("--routing-from is for --runner hf (vLLM's fused MoE router is "
+                              "not replayed by accucheck)")
     opts = CaptureOptions(device=device, dtype=dtype, mode=mode, store=store,
                           max_new_tokens=max_new_tokens, include=tuple(include),
                           exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
                           deterministic=deterministic, tokens_from=tokens_from,
                           compression=compression, compile_backend=compile_backend, force=force,
-                          level=level, shadow=shadow, observer_check=observer_check)
+                          level=level, shadow=shadow, observer_check=observer_check,
+                          routing_from=routing_from, routing_weights=routing_weights)
     model_dir = _model_dir(model)
     if list_modules:
         from accucheck.capture.api import list_modules as lm
@@ -357,17 +369,20 @@ def replay(ref, ops, device, golden, limit, fmt):
 @cli.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--arch", type=click.Choice(list(TINY_ARCHS)), default="llama", show_default=True,
+              help="llama, or a mixture of experts")
 @click.option("--force", is_flag=True, help="write into a non-empty directory")
-def tiny_model(directory, seed, force):
-    """Write the built-in tiny Llama (+ tokenizer) to DIRECTORY: the same weights on every
-    machine for a given seed, so GPU and NPU captures compare."""
+def tiny_model(directory, seed, arch, force):
+    """Write the built-in tiny Llama (or a tiny mixture of experts, --arch) + tokenizer to
+    DIRECTORY: the same weights on every machine for a given seed, so GPU and NPU captures
+    compare."""
     from accucheck.capture.tiny import write_tiny_model
     from accucheck.paths import check_output_dir
 
     d = check_output_dir(directory)
     if d.exists() and any(d.iterdir()) and not force:
         raise UserError(f"{d} is not empty: choose another directory or pass --force")
-    err(f"wrote {write_tiny_model(d, seed)}")
+    err(f"wrote {write_tiny_model(d, seed, arch)}")
     return 0
 
 

@@ -342,7 +342,7 @@ class CaptureWriter:
 
     def add(self, key: RecordKey | str, kind: str, dtype: str, shape: Sequence[int],
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
-            extra: str = "", share: str | None = None) -> None:
+            extra: str = "", share: str | None = None, keep: bool = False) -> None:
         """Add one record. `key`: a RecordKey or its string. `stats`: the STAT_FIELDS values,
         optionally followed by SAMPLE_SIZE sampled values (see /index/sample). `data` (full
         mode only) is the tensor as a numpy array in its stored representation (bfloat16 as
@@ -350,7 +350,7 @@ class CaptureWriter:
         (see /index/extra). `share`: records added with the same `share` string hold the same
         tensor (a weight seen at every call, one tensor recorded by two modules): the first
         one's `data` is stored, the later ones point to that dataset (their `data` is not
-        read)."""
+        read). `keep`: store `data` also in stats mode (MoE routing records)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
         skey = str(key)
@@ -363,7 +363,7 @@ class CaptureWriter:
             raise ValueError(f"{self.path}: add after close")
         if self.store == "full" and share is not None and share in self._shared:
             name = self._shared[share]
-        elif data is not None and self.store == "full":
+        elif data is not None and (self.store == "full" or keep):
             name = f"{order:08d}"
             arr = np.ascontiguousarray(data) if np.ndim(data) else np.asarray(data)  # 0-d stays
             self._room(arr.nbytes + 4096)

@@ -26,7 +26,9 @@ from accucheck.capture import device as dev
 from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
-from accucheck.capture.graph import ObserverCheck, boundary_taps, run_unobserved, tapped_modules
+from accucheck.capture.graph import (ObserverCheck, boundary_taps, router_taps, run_unobserved,
+                                     tapped_modules)
+from accucheck.capture.moe import RoutingReplay, find_routers, moe_meta
 from accucheck.capture.recorder import Recorder, select_modules
 from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
@@ -61,6 +63,9 @@ class CaptureOptions:
     logits, with the taps' effect on them in meta "observer_effect" (accucheck.capture.graph);
     off, the file's logits are the tapped run's and the effect is not measured (one compile
     less).
+    routing_from: a reference capture whose MoE routing (every router call's expert ids) this
+    run must follow (accucheck.capture.moe); implies tokens_from. routing_weights: also the
+    reference's routing weights. Eager only.
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -79,6 +84,8 @@ class CaptureOptions:
     level: str = "module"
     shadow: str | None = None
     observer_check: bool = True
+    routing_from: str | None = None
+    routing_weights: bool = False
     meta_extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,11 @@ class CaptureOptions:
         if self.mode == "graph" and (self.level == "op" or self.shadow):
             raise UserError.usage("--level op and --shadow need --mode eager (a compiled graph "
                                   "runs neither ops one by one nor module replays)")
+        if self.routing_weights and not self.routing_from:
+            raise UserError.usage("--routing-weights goes with --routing-from REF.h5")
+        if self.routing_from and self.mode == "graph":
+            raise UserError.usage("--routing-from needs --mode eager (the router's top-k runs "
+                                  "inside the compiled graph, where it cannot be replaced)")
         if self.compile_backend and self.mode != "graph":
             raise UserError.usage("--compile-backend is for --mode graph")
         if self.max_new_tokens < 0:
@@ -105,7 +117,8 @@ class CaptureOptions:
     def inputs(self) -> dict[str, str]:
         """The capture files this capture reads, by flag."""
         return {flag: path for flag, path in (("--tokens-from", self.tokens_from),
-                                              ("--shadow", self.shadow)) if path}
+                                              ("--shadow", self.shadow),
+                                              ("--routing-from", self.routing_from)) if path}
 
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
@@ -165,7 +178,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     dtype_name = _dtype_name(next(model.parameters()).dtype)
     causal = is_causal_lm(model)
     prompt_ids = tokenize_prompts(prompts, tokenizer)
-    tokens_from = opts.tokens_from or opts.shadow
+    tokens_from = opts.tokens_from or opts.shadow or opts.routing_from
     forced = forced_tokens(tokens_from, model, prompt_ids, prompts, tokenizer,
                             opts.max_new_tokens) if tokens_from else None
     if forced is not None:
@@ -176,6 +189,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     if not modules:
         raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
                         " to see the module paths")
+    routers = find_routers(model)
     taps = None
     if opts.mode == "graph" and not (opts.include or opts.exclude or opts.record_inputs) \
             and opts.level == "module":
@@ -183,6 +197,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         taps = boundary_taps(model, modules,
                              lambda: _probe(model, prompt_ids[0], tdev, causal)) or None
         if taps:
+            taps += router_taps(routers)
             modules = tapped_modules(taps)
     backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
     meta = {
@@ -200,19 +215,26 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         "stats_kernel": kernel_status(),
         "modules": modules,
         "graph_taps": None if opts.mode != "graph" else "boundaries" if taps else "selection",
+        "moe": moe_meta(routers),
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }
     # the shadow reference is opened and checked (full, with inputs) before the output exists
     source = _shadow_source(opts)
+    replay = None
     writer = None
     try:
+        replay = RoutingReplay(opts.routing_from, routers, opts.routing_weights) \
+            if opts.routing_from else None
         writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                compression=opts.compression)
-        recorder = _recorder(model, writer, modules, opts, source, taps)
+        recorder = _recorder(model, writer, modules, opts, source, taps,
+                             keep=[r.gate for r in routers])
     except BaseException:
         if source is not None:
             source.close()
+        if replay is not None:
+            replay.close()
         if writer is not None:
             writer.close(complete=False)
         raise
@@ -227,7 +249,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
 
     try:
         with interruptible() as guard, _dynamo_quiet(opts.mode), \
-                (compiling or contextlib.nullcontext()):
+                (compiling or contextlib.nullcontext()), \
+                (replay.installed(model) if replay else contextlib.nullcontext()):
             if check is not None:  # the untapped run first: its tokens are the run's
                 compiling.label = f"{backend_name}, untapped run of the observer check"
 
@@ -255,6 +278,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                         guard.check()
                         ticker.tick(r, step, writer.n_records)
                         recorder.begin_step(r, step)
+                        if replay is not None:
+                            replay.begin_step(r, step)
                         at[0] = step
 
                     def on_logits(logits, r=r, at=at):
@@ -272,6 +297,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                     writer.flush()
         if getattr(recorder, "shadow_counts", None) is not None:
             writer.update_meta(shadow_replay=recorder.shadow_counts)
+        if replay is not None:
+            writer.update_meta(routing_forced=replay.meta())
         if opts.mode == "graph":
             writer.update_meta(compile_stats=_compile_stats(before),
                                compile_seconds=round(compiling.seconds, 3),
@@ -293,6 +320,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         writer.close(complete=complete)
         if getattr(recorder, "shadow", None) is not None:
             recorder.shadow.close()
+        if replay is not None:
+            replay.close()
     return Path(out)
 
 
@@ -458,19 +487,20 @@ class CompileProgress:
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
-              opts: CaptureOptions, source=None, taps=None) -> Recorder:
+              opts: CaptureOptions, source=None, taps=None, keep=()) -> Recorder:
     """The plain module recorder, or (level op / shadow) the op and shadow recorders.
     `source`: the opened --shadow reference (closed by the caller on failure); `taps`: graph
-    mode's kernel-boundary taps (accucheck.capture.graph), None for the module selection."""
+    mode's kernel-boundary taps (accucheck.capture.graph), None for the module selection;
+    `keep`: modules whose outputs keep their values in --store stats (MoE routers)."""
     if opts.level == "module" and not opts.shadow:
         return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
-                        graph=opts.mode == "graph", taps=taps)
+                        graph=opts.mode == "graph", taps=taps, keep=keep)
     from accucheck.capture.ops import OpRecorder
     from accucheck.capture.shadow import ShadowRecorder
 
     cls = OpRecorder if opts.level == "op" else ShadowRecorder
     return cls(model, writer, modules, record_inputs=opts.record_inputs,
-               graph=opts.mode == "graph", shadow=source)
+               graph=opts.mode == "graph", shadow=source, keep=keep)
 
 
 def _probe(model: nn.Module, ids: Sequence[int], device: torch.device, causal: bool) -> None:

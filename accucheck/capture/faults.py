@@ -40,6 +40,16 @@ faulty output, exactly like a faulty device kernel):
 
 OP is the operator with or without overload ("aten.mm" or "aten.mm.default"), or several
 joined by "|".
+
+Mixture-of-experts faults (transformers 5 MoE blocks, accucheck.capture.moe):
+
+    router:E:D         a router (mlp.gate) whose logit of expert E is off by D for every token
+                       (a router kernel with a wrong bias): tokens whose reference margin to E
+                       is below D go to other experts
+    router:noise:S     every router logit off by seeded Gaussian noise of std S (rounding-like
+                       noise: the tokens that flip are near-ties)
+    expert:E:scale:F   expert E of a fused experts module (mlp.experts: 3-D gate_up_proj /
+                       down_proj) outputs F x what it should on every token routed to it
 """
 from __future__ import annotations
 
@@ -53,7 +63,8 @@ from accucheck.errors import UserError
 
 FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "acc:bf16:K", "act:silu_fast", "act:gelu_tanh",
           "norm:part:D", "tile:D", "act:slope:D",
-          "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F", "op:OP:inscale:F")
+          "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F", "op:OP:inscale:F",
+          "router:E:D", "router:noise:S", "expert:E:scale:F")
 TILE = 64  # input features of the tile `tile:D` mis-scales
 
 
@@ -104,6 +115,18 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
     if fault.startswith("op:"):
         with _planted_op(mods[module], fault):
             yield
+        return
+    if fault.startswith("router:"):
+        with _planted_router(mods[module], module, fault, seed):
+            yield
+        return
+    if fault.startswith("expert:"):
+        handle = mods[module].register_forward_hook(
+            _expert_scale(mods[module], module, fault), prepend=True)
+        try:
+            yield
+        finally:
+            handle.remove()
         return
     fn = _transform(fault, seed)
     if isinstance(fn, tuple):  # these need the module's weights
@@ -165,6 +188,94 @@ def _tile_scale(mod: nn.Module, name: str, d: float):
         extra = x[..., :TILE].float() @ mod.weight[:, :TILE].float().t()
         return (t.float() + d * extra).to(t.dtype)
     return tile
+
+
+def _numbers(fault: str, first, second) -> tuple:
+    parts = fault.split(":")
+    try:
+        if parts[0] == "expert" and len(parts) == 4 and parts[2] == "scale":
+            return first(parts[1]), second(parts[3])
+        if parts[0] == "router" and len(parts) == 3:
+            return parts[1] if parts[1] == "noise" else first(parts[1]), second(parts[2])
+    except ValueError:
+        pass
+    raise UserError(f"fault {fault!r}: use router:E:D, router:noise:S or expert:E:scale:F "
+                    f"(E an expert number, D / S / F numbers)")
+
+
+@contextmanager
+def _planted_router(mod: nn.Module, name: str, fault: str, seed: int) -> Iterator[None]:
+    """The router's logits (the first F.linear of its forward) perturbed before it picks the
+    top-k. Hooks mark the router's forward (they travel with a converted copy of the model,
+    as every fault here does); a torch function mode does the rest."""
+    from torch.overrides import TorchFunctionMode
+
+    which, amount = _numbers(fault, int, float)
+    n = getattr(mod, "num_experts", None)
+    if not isinstance(n, int) or (which != "noise" and not 0 <= which < n):
+        raise UserError(f"fault {fault!r}: {name} is not a MoE router with expert {which} "
+                        f"(num_experts {n})")
+    gen = torch.Generator().manual_seed(seed)
+    state = {"depth": 0, "done": False}
+
+    def perturb(logits: torch.Tensor) -> torch.Tensor:
+        if which == "noise":
+            noise = torch.randn(logits.shape, generator=gen, dtype=torch.float32)
+            return logits + (amount * noise).to(logits.device, logits.dtype)
+        out = logits.clone()
+        out[..., which] += amount
+        return out
+
+    class _Logits(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.nn.functional.linear and state["depth"] and not state["done"]:
+                state["done"] = True
+                return perturb(out)
+            return out
+
+    def enter(_m, _a):
+        state["depth"] += 1
+        state["done"] = False
+
+    def leave(_m, _a, _o):
+        state["depth"] -= 1
+
+    handles = [mod.register_forward_pre_hook(enter, prepend=True),
+               mod.register_forward_hook(leave, always_call=True)]
+    try:
+        with _Logits():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _expert_scale(mod: nn.Module, name: str, fault: str):
+    """A forward hook: expert E's contribution to the output made F x (see the docstring)."""
+    e, f = _numbers(fault, int, float)
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.ndim == 3
+            and dn.ndim == 3 and isinstance(getattr(mod, "act_fn", None), nn.Module)
+            and 0 <= e < gu.shape[0]):
+        raise UserError(f"fault {fault!r}: {name} is not a fused experts module with expert "
+                        f"{e} (3-D gate_up_proj / down_proj and act_fn)")
+
+    def hook(m, args, out):  # `m`: the module called (a converted copy has its own weights)
+        gu, dn, act = m.gate_up_proj, m.down_proj, m.act_fn
+        x, idx, w = args[0], args[1], args[2]
+        hit = idx == e
+        rows = hit.any(-1).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return out
+        g, u = torch.nn.functional.linear(x[rows], gu[e]).chunk(2, dim=-1)
+        # the act module's class forward: no hook or recorder wrapper sees this call
+        y = torch.nn.functional.linear(type(act).forward(act, g) * u, dn[e])
+        weight = (w[rows] * hit[rows]).sum(-1, keepdim=True).to(y.dtype)
+        out = out.clone()
+        out[rows] += ((f - 1.0) * y * weight).to(out.dtype)
+        return out
+    return hook
 
 
 def _op_fault(fault: str):

@@ -139,6 +139,14 @@ def boundary_taps(model: nn.Module, producers: Sequence[str],
     return taps
 
 
+def router_taps(routers: Sequence) -> list[Tap]:
+    """Graph mode: the three outputs of every MoE router (accucheck.capture.moe.Router: logits,
+    top-k weights, top-k ids), so that a graph capture holds the same routing records as an
+    eager one. The router's matmul is a library call like a Linear's; its top-k and weights
+    are outputs of the router either way."""
+    return [Tap(r.gate, "out", r.gate, "out", slot) for r in routers for slot in "012"]
+
+
 def tapped_modules(taps: Sequence[Tap]) -> list[str]:
     """The record modules of `taps`, once each, in order (the capture's meta "modules")."""
     return list(dict.fromkeys(t.module for t in taps))

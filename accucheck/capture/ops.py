@@ -185,12 +185,12 @@ class OpRecorder(ShadowRecorder):
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 shadow: ShadowSource | None = None):
+                 shadow: ShadowSource | None = None, keep: Sequence[str] = ()):
         if graph:
             raise UserError("--level op needs --mode eager: a compiled graph does not dispatch "
                             "operators one by one; capture graph mode at --level module")
         super().__init__(model, writer, modules, record_inputs=record_inputs, graph=False,
-                         shadow=shadow)
+                         shadow=shadow, keep=keep)
         self.n_ops = 0
 
     def record_op(self, func, args: tuple, kwargs: dict):

@@ -140,9 +140,10 @@ def select_modules(model: nn.Module, include: Sequence[str] | None = None,
 
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Tensors inside tensors / tuples / lists / dicts / ModelOutput, with their slot names.
-    None and non-tensor leaves (caches, ints) are skipped."""
+    None and non-tensor leaves (caches, ints) are skipped. A complex tensor (DeepSeek-V2's
+    rotary frequencies) is its real view: a float tensor with a last dimension of 2."""
     if isinstance(obj, torch.Tensor):
-        return [(prefix or "0", obj)]
+        return [(prefix or "0", torch.view_as_real(obj) if obj.is_complex() else obj)]
     out: list[tuple[str, torch.Tensor]] = []
     if isinstance(obj, dict):  # ModelOutput is an OrderedDict
         items = [(clean_slot(k), v) for k, v in obj.items()]
@@ -378,13 +379,13 @@ def call_slots(args: tuple, kwargs: dict | None) -> list[tuple[str, torch.Tensor
     out: list[tuple[str, torch.Tensor]] = []
     for i, v in enumerate(args):
         if isinstance(v, torch.Tensor):
-            out.append((_slot(i), v))
+            out.append((_slot(i), torch.view_as_real(v) if v.is_complex() else v))
         elif isinstance(v, (tuple, list, dict)):
             out.extend(flatten(v, _slot(i)))
     if kwargs:
         for k, v in kwargs.items():
             if isinstance(v, torch.Tensor):
-                out.append((_slot(k), v))
+                out.append((_slot(k), torch.view_as_real(v) if v.is_complex() else v))
             elif isinstance(v, (tuple, list, dict)):
                 out.extend(flatten(v, _slot(k)))
     return out
@@ -448,8 +449,12 @@ class Recorder:
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 stats_kernel: str | None = None, taps: Sequence | None = None):
+                 stats_kernel: str | None = None, taps: Sequence | None = None,
+                 keep: Sequence[str] = ()):
         self.model = model
+        # modules whose outputs keep their values whatever the store mode (MoE routers: small,
+        # and the diff needs them whole; accucheck.capture.moe)
+        self.keep = frozenset(keep)
         self.taps = list(taps) if taps is not None else None  # graph mode: capture.graph.Tap
         self.writer = writer
         self.modules = list(modules)
@@ -621,6 +626,9 @@ class Recorder:
                 p = self.item(module, "out", slot, t, call, op, op_index, x, kind)
             if j == 0:
                 p.src = src or None
+            if module in self.keep and not self.full:
+                with _no_modes():
+                    p.host = to_host(t)[0]
             outs.append(p)
         return outs
 
@@ -774,7 +782,7 @@ class Recorder:
         call = calls.get(name, 0)
         calls[name] = call + 1
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) \
-                and not self.record_inputs:  # a leaf module's usual call
+                and not self.record_inputs and not args[0].is_complex():  # a leaf's usual call
             return call, self._link_one(args[0], name, call)
         src, ins = self.link_inputs(call_slots(args, kwargs), name, call)
         if ins:
@@ -783,7 +791,7 @@ class Recorder:
 
     def _close_call(self, out: Any, name: str, call: int, src: dict | None) -> None:
         """A call opened by `_open_call` returned `out` (not None): its output records."""
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) and not out.is_complex():
             self._pending.append(self._one_output(out, name, call, src))
             return
         slots = flatten(out)
@@ -905,6 +913,8 @@ class Recorder:
         for p in items:
             t = p.tensor
             if t is not None:  # graph mode / logits: statistics now
+                if p.module in self.keep and not self.full:
+                    p.host = to_host(t)[0]
                 p.stats = self.stats.add(t)
                 p.dtype, p.shape, p.numel = dtype_name(t), tuple(t.shape), t.numel()
                 p.tensor = None
@@ -966,9 +976,19 @@ class Recorder:
             else:
                 text = _json(extra) if extra else ""
             texts.append(text)
-        if not self.full:  # no tensors to write: the whole step in one call
-            self.writer.add_rows(keys, [p.kind for p in items], [p.dtype for p in items],
-                                 [p.shape for p in items], final, checksums, texts)
+        if not self.full:  # no tensors to write: runs of rows in one call each
+            start = 0
+            for k in [k for k, p in enumerate(items) if p.host is not None] + [len(items)]:
+                if k > start:
+                    self.writer.add_rows(keys[start:k], [p.kind for p in items[start:k]],
+                                         [p.dtype for p in items[start:k]],
+                                         [p.shape for p in items[start:k]], final[start:k],
+                                         checksums[start:k], texts[start:k])
+                if k < len(items):  # a kept record (self.keep): with its values
+                    p = items[k]
+                    self.writer.add(keys[k], p.kind, p.dtype, p.shape, final[k], checksums[k],
+                                    p.host, texts[k], keep=True)
+                start = k + 1
         else:
             add = self.writer.add
             for k, p in enumerate(items):

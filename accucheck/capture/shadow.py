@@ -181,8 +181,9 @@ class ShadowRecorder(Recorder):
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 shadow: ShadowSource | None = None):
-        super().__init__(model, writer, modules, record_inputs=record_inputs, graph=graph)
+                 shadow: ShadowSource | None = None, keep: Sequence[str] = ()):
+        super().__init__(model, writer, modules, record_inputs=record_inputs, graph=graph,
+                         keep=keep)
         if graph:
             raise UserError("--shadow and --level op need --mode eager (the replay and the op "
                             "attribution run module by module)")

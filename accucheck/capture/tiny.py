@@ -51,37 +51,67 @@ def _train_tokenizer(vocab_size: int):
                                    eos_token="</s>")
 
 
-def write_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """Build the tiny Llama (weights from `seed`) and its tokenizer into `out_dir`
-    (save_pretrained layout: config.json, model.safetensors, tokenizer files)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# tiny mixtures of experts: the same size, 8 experts of which 2 per token in every layer
+# (DeepSeek-V2: the first layer dense, one shared expert, MLA attention)
+_MOE = dict(num_experts_per_tok=2)
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_MOE, moe_intermediate_size=128, num_experts=8, decoder_sparse_step=1,
+                       norm_topk_prob=True, head_dim=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_MOE, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                       num_experts=8, decoder_sparse_step=1)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_MOE, num_local_experts=8)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(_MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=128,
+                         first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None,
+                         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                         topk_method="greedy", n_group=1, topk_group=1)),
+}
 
+
+def write_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "llama",
+                     **overrides) -> Path:
+    """Build the tiny model (weights from `seed`) and its tokenizer into `out_dir`
+    (save_pretrained layout: config.json, model.safetensors, tokenizer files). `arch`: one of
+    TINY_ARCHS (default the Llama; the others are mixtures of experts)."""
+    import torch
+    import transformers
+
+    if arch not in TINY_ARCHS:
+        from accucheck.errors import UserError
+
+        raise UserError.usage(f"unknown tiny architecture {arch!r}: use one of "
+                              f"{', '.join(TINY_ARCHS)}")
+    config_cls, model_cls, extra = TINY_ARCHS[arch]
     out = Path(out_dir)
-    cfg = dict(TINY_CONFIG, **overrides)
+    cfg = {k: v for k, v in TINY_CONFIG.items() if k != "rope_theta" or arch == "llama"}
+    cfg.update(extra, **overrides)
     tokenizer = _train_tokenizer(cfg["vocab_size"])
-    config = LlamaConfig(**cfg, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, config_cls)(**cfg, bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id)
     gen = torch.random.fork_rng(devices=[])
     with gen:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
 
 
-def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
+def tiny_model_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                   arch: str = "llama") -> Path:
     """The cached tiny model for `seed`, built on first use (atomically: never half-written)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-llama-seed{seed}"
+    target = root / f"tiny-{arch}-seed{seed}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
-        write_tiny_model(tmp, seed)
+        write_tiny_model(tmp, seed, arch)
         try:
             tmp.rename(target)
         except OSError:  # built concurrently by another process: keep theirs

@@ -49,6 +49,8 @@ from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetri
                                        is_float_dtype, kl_div, logit_noise, top2_margin,
                                        topk_overlap)
 from accucheck.compare.opmatch import OpAlignment, align_captures
+from accucheck.compare.routing import (JUDGED_ELSEWHERE, RoutingResult, apply_routing,
+                                       routing_notes)
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
@@ -108,6 +110,10 @@ class RecordDiff:
                                               # (--control); None: no control holds it
     absorbed: bool = False     # an op record inside a module call whose outputs are identical
                                # on both sides: op pairing across fused kernels, not an error
+    routing: str | None = None  # MoE (compare.routing): "ids" (judged as routing, not numbers),
+                                # "masked" (compared on the tokens routed alike), "after-flip"
+                                # (follows a routing flip: different computations, not judged)
+    rows_excluded: int = 0      # "masked" / "ids": token rows routed differently
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "sample", "stats", "shape"):
@@ -171,7 +177,7 @@ class RecordDiff:
         against the golden (or NaN/Inf positions differ). Without: the tolerance decides.
         No __bool__ on purpose: a falsy record inside `x or fallback` once picked the wrong
         culprit; ask `within` explicitly."""
-        if self.absorbed:
+        if self.absorbed or self.routing in JUDGED_ELSEWHERE:
             return True
         if self.refereed and self.basis == "tensor":
             return self.golden.label != "cand worse" and not self.metrics.nan_inf_mismatch
@@ -267,6 +273,7 @@ class DiffResult:
     ops: OpAlignment | None = None           # op-level alignment (compare.opmatch), if any
     compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
     control_paths: tuple[str, ...] = ()      # control runs (--control), in order
+    routing: RoutingResult | None = None     # MoE routing (compare.routing); None: no router
 
     @property
     def precision_findings(self) -> tuple[RecordDiff, ...]:
@@ -294,7 +301,12 @@ class DiffResult:
 
     @property
     def within(self) -> bool:
-        return not self.failed and not self.real_flip
+        return not self.failed and not self.real_flip and not self.real_routing_flip
+
+    @property
+    def real_routing_flip(self) -> bool:
+        """A token went to other experts without being a near-tie (compare.routing)."""
+        return self.routing is not None and self.routing.real_flip is not None
 
     def record(self, key: RecordKey | str) -> RecordDiff:
         for r in self.records:
@@ -522,6 +534,9 @@ class _Differ:
         records += [rd for rd in joined if comparable(rd.key, limits)]
         records.sort(key=lambda rd: rd.order)  # stable: a rank's copy right after the copy
         records = _absorb(records)
+        records, routing = apply_routing(records, self.R, self.C, self._row_tolerance)
+        if routing is not None:
+            self.notes += routing_notes(records, routing, str(self.R.path))
         absorbed = sum(r.absorbed for r in records)
         if absorbed:
             self.notes.append(
@@ -546,7 +561,11 @@ class _Differ:
         return DiffResult(str(self.R.path), str(self.C.path),
                           str(self.G.path) if self.G is not None else None,
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
-                          skipped, tuple(self.notes), self.tol, ops, self.compute)
+                          skipped, tuple(self.notes), self.tol, ops, self.compute,
+                          routing=routing)
+
+    def _row_tolerance(self, ra: IndexRow, ca: IndexRow) -> Tolerance:
+        return self.tol.for_record(ra.key, self._tolerance_dtypes(ra.dtype, ca.dtype))
 
     def _join_shards(self, groups: list["ShardGroup"]) -> tuple[list[RecordDiff], int]:
         """Each rank's part of a "concat" shard compared with its slice (last dimension, rank

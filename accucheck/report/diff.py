@@ -14,8 +14,10 @@ import math
 from typing import Any
 
 from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
+from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
+from accucheck.report.routing import routing_clause, routing_json, routing_lines
 from accucheck.verdict.types import Divergence, RecordLocation
 
 FORMATS = ("table", "json", "csv", "md")
@@ -88,10 +90,15 @@ def verdict_line(a: Analysis) -> str:
     if d.basis in ("stats", "sample", "mixed"):
         weaker = (" [weaker: some records have statistics only, compared by a lower bound"
                   " and sampled values]")
+    weaker += routing_clause(d.routing, d.records)
+    if fd is not None and fd.routing is not None:
+        return (f"FAIL: real MoE routing flip at {flip_line(fd.routing)}: the router's logits "
+                f"moved more than their noise -> introduced here{weaker}")
     if L.noise is not None:
         return _control_line(a, weaker)
     if d.within:
-        worst = max((r for r in d.records if not r.absorbed),
+        worst = max((r for r in d.records
+                     if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
                     key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
         w = (f"; worst rel_l2 {_g(worst.error)} at {worst.key} (tolerance "
              f"{_g(worst.tolerance.rel_l2)})") if worst is not None else ""
@@ -214,6 +221,7 @@ def _record_json(r: RecordDiff, loc: RecordLocation) -> dict:
         "kind": r.kind, "ref_dtype": r.ref_dtype, "cand_dtype": r.cand_dtype,
         "ref_shape": list(r.ref_shape), "cand_shape": list(r.cand_shape), "basis": r.basis,
         "within": r.within, "cause": loc.cause, "rel_l2": r.error, "cosine": r.cosine,
+        "routing": r.routing, "rows_excluded": r.rows_excluded,
         "input_rel_l2": loc.input_error, "input_from": list(loc.input_from),
         "input_basis": loc.input_basis, "inner_rel_l2": loc.inner_error,
         "refereed": r.refereed, "within_tolerance": r.within_tolerance,
@@ -303,6 +311,7 @@ def to_json(a: Analysis) -> dict:
         "golden": golden,
         "culprit": a.culprit.as_dict() if a.culprit is not None else None,
         "control": control_json(L.noise),
+        "routing": routing_json(d.routing),
         "ops": ({"matches": [m.__dict__ for m in d.ops.matches],
                  "one_sided": [o.__dict__ for o in d.ops.one_sided]}
                 if d.ops is not None else None),
@@ -372,6 +381,8 @@ def to_text(a: Analysis, md: bool = False) -> str:
     if L.noise is not None:
         out += ["", ("### " if md else "") + "Control (more than noise?)"]
         out += control_lines(L.noise, fmt)
+    if d.routing is not None:
+        out += ["", ("### " if md else "") + "MoE routing"] + routing_lines(d.routing, fmt)
     if L.suspicious:
         out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:
@@ -403,7 +414,8 @@ def to_text(a: Analysis, md: bool = False) -> str:
     for r in shown:
         loc = locs[str(r.key)]
         m = r.metrics
-        row = [str(r.key), "ok" if r.within else (loc.cause or "over"),
+        row = [str(r.key), r.routing if r.routing in JUDGED_ELSEWHERE else
+               "ok" if r.within else (loc.cause or "over"),
                _g(r.error) + BASIS_MARK.get(r.basis, ""),
                _g(loc.input_error), _g(loc.introduced),
                _cos(m.cosine) if m else "-", _g(m.max_abs) if m else "-",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from accucheck.compare.diff import RecordDiff
 from accucheck.compare.opmatch import op_ident
+from accucheck.compare.routing import flip_line
 from accucheck.keys import RecordKey, split_rank
 from accucheck.verdict.types import Located, RecordLocation
 
@@ -58,6 +59,10 @@ class Culprit:
                                       # own code that no record covers (the attention core)
     excess: float | None = None       # with control runs: its site's excess over the noise
     threshold: float | None = None    # and the excess above which a site is more than noise
+    expert: int | None = None         # MoE: the expert of a fused experts module whose tokens
+                                      # carry the error (compare.routing.ExpertBlame)
+    expert_part: str | None = None    # and the projection inside it, as far as records tell
+    routing_flip: str | None = None   # a real routing flip is the divergence (its line)
 
     @property
     def amplification(self) -> float:
@@ -73,7 +78,12 @@ class Culprit:
     def where(self) -> str:
         op = f" / {self.op}@{self.op_key.op_index}" if self.op_key is not None else ""
         rank = f" on tensor-parallel rank {self.rank}" if self.rank is not None else ""
-        return f"{self.module}#{self.call}{op}{rank}"
+        return f"{self.named}#{self.call}{op}{rank}"
+
+    @property
+    def named(self) -> str:
+        """The module, with the expert of a fused experts module: "…mlp.experts[5]"."""
+        return self.module if self.expert is None else f"{self.module}[{self.expert}]"
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -84,6 +94,7 @@ class Culprit:
         d["amplification"] = self.amplification
         d["local_within"] = self.local_within
         d["where"] = self.where
+        d["named"] = self.named
         return d
 
 
@@ -155,6 +166,7 @@ def find_culprit(a: Located) -> Culprit | None:
                      f"accucheck capture MODEL --include '{module}' --level op --store full "
                      f"--shadow ref-op.h5 -o cand-op.h5   # candidate machine\n"
                      f"accucheck diff ref-op.h5 cand-op.h5   # names the operator")
+    expert, part = _expert(d, module, call, seen_at)
     return Culprit(
         req, step, module, call,
         mod_rec.error if mod_rec is not None else None,
@@ -165,7 +177,22 @@ def find_culprit(a: Located) -> Culprit | None:
         len(ops), one, precision_finding(target, d.compute_dtypes), tuple(neighbours),
         next_step, split_rank(k.slot)[1], seen_at,
         fd.noise.excess if fd.noise is not None else None,
-        fd.noise.threshold if fd.noise is not None else None)
+        fd.noise.threshold if fd.noise is not None else None, expert, part,
+        flip_line(fd.routing) if fd.routing is not None else None)
+
+
+def _expert(d, module: str, call: int, seen_at: RecordKey | None
+            ) -> tuple[int | None, str | None]:
+    """MoE: the expert whose tokens carry the error of a fused experts module named culprit,
+    and which projection inside it the records point at (None, None when it is not one, or
+    no expert stands out)."""
+    blame = d.routing.blame_for(module, call) if d.routing is not None else None
+    if blame is None or blame.best is None:
+        return None, None
+    if seen_at is not None and seen_at.module == f"{module}.act_fn":
+        return blame.best, "gate_up_proj (its gate half: seen at act_fn's input)"
+    return blame.best, ("down_proj, or the up half of gate_up_proj (after act_fn; not "
+                        "recorded apart)")
 
 
 def culprit_lines(c: Culprit) -> list[str]:
@@ -179,6 +206,12 @@ def culprit_lines(c: Culprit) -> list[str]:
 
     head = (f"CULPRIT: step {c.step}, " + (f"request {c.req}, " if c.req else "") + c.where)
     lines = [head]
+    if c.routing_flip is not None:
+        lines.append(f"  real routing flip: {c.routing_flip}: the router's logits moved more "
+                     f"than their noise at that token")
+    if c.expert is not None:
+        lines.append(f"  expert {c.expert} of {c.module}: the tokens routed to it carry the "
+                     f"error (the others do not); inside it: {c.expert_part}")
     if c.seen_at is not None and c.op is not None:
         lines.append(f"  made by code of {c.module} between its recorded ops (a cast or an op "
                      f"the capture or dump leaves out), seen at {c.seen_at}")

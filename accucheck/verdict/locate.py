@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from accucheck.compare.diff import DiffResult, Progress, RecordDiff, diff_captures
+from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                           NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
                                           NOISE_FLOOR_WINDOW, ToleranceTable)
@@ -120,16 +121,28 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
         intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
     else:  # the control decides: its first site more than noise
         intro = diff.record(noise.flagged[0].key) if noise.flagged else None
+    # a real MoE routing flip (compare.routing) before it is the divergence: the router's logits
+    rflip = diff.routing.real_flip if diff.routing is not None else None
+    if rflip is not None and (intro is None or (rflip.key.step, rflip.key.req, rflip.order)
+                              < (intro.key.step, intro.key.req, intro.order)):
+        logits = RecordKey(rflip.key.req, rflip.key.step, rflip.key.module, rflip.key.call,
+                           "out", "0")
+        intro = next((r for r in diff.records if r.key == logits), None) or \
+            diff.record(rflip.key)
+    else:
+        rflip = None
     worst = max(over, key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
 
-    def divergence(r: RecordDiff | None, site=None) -> Divergence | None:
+    def divergence(r: RecordDiff | None, site=None, flip=None) -> Divergence | None:
         if r is None:
             return None
         loc = locs[str(r.key)]
-        cause = "introduced" if site is not None else loc.cause or "inherited"
+        cause = "introduced" if site is not None or flip is not None else \
+            loc.cause or "inherited"
         return Divergence(r.key, cause, r.error, loc.input_error,
                           loc.input_from, r.tolerance.rel_l2, r.basis, r.metrics,
-                          paths.get(str(r.key), ()), loc.inner_error, loc.input_basis, site)
+                          paths.get(str(r.key), ()), loc.inner_error, loc.input_basis, site,
+                          flip)
 
     ranked = sorted((x for x in records if x.introduced > 0 and not x.unattributed),
                     key=lambda x: -x.introduced)[:top]
@@ -152,8 +165,8 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
             break
         same += 1
     differs = ordered[same] if 0 < same < len(ordered) else None
-    site = noise.flagged[0] if noise is not None and noise.flagged else None
-    return Location(divergence(intro, site), records, tuple(ranked), curve, amplification,
+    site = noise.flagged[0] if noise is not None and noise.flagged and rflip is None else None
+    return Location(divergence(intro, site, rflip), records, tuple(ranked), curve, amplification,
                     divergence(over[0] if over else None), divergence(worst), sus,
                     divergence(differs), noise)
 
@@ -182,7 +195,8 @@ def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
     groups: dict[tuple, list[tuple[RecordDiff, RecordLocation, float, int]]] = {}
     for r in diff.records:
         layer = layer_of(r.key.module)
-        if r.key.role == "in" or r.basis == "shape" or layer is None:
+        if r.key.role == "in" or r.basis == "shape" or layer is None \
+                or r.routing in JUDGED_ELSEWHERE:
             continue
         loc = locs[str(r.key)]
         if r.shadow is not None:

@@ -38,6 +38,7 @@ import math
 import statistics
 
 from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
                                           CONTROL_MIN_RATIO, CONTROL_PEERLESS_SPREAD,
                                           CONTROL_SPREAD_FLOOR, CONTROL_WINDOW, CONTROL_Z)
@@ -55,7 +56,8 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
     ratios: dict[str, float] = {}
     base: dict[str, tuple[RecordDiff, float, tuple[float, float]]] = {}
     for r in diff.records:
-        if r.control is None or r.basis == "shape" or locs[str(r.key)].unattributed:
+        if r.control is None or r.basis == "shape" or locs[str(r.key)].unattributed \
+                or r.routing in JUDGED_ELSEWHERE:
             continue
         f = _floor(r)
         expected = sum(r.control) / len(r.control)

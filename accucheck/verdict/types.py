@@ -13,6 +13,7 @@ from typing import Protocol
 
 from accucheck.compare.diff import DiffResult
 from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.routing import RoutingFlip
 from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z
 from accucheck.keys import RecordKey
 
@@ -59,6 +60,8 @@ class Divergence:
     inner_error: float | None = None
     input_basis: str = "none"
     noise: "NoiseSite | None" = None  # with control runs: the site judged more than noise
+    routing: RoutingFlip | None = None  # a real MoE routing flip is the divergence (the
+                                        # router's logits record, compare.routing)
 
     @property
     def module(self) -> str:
