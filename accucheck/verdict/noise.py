@@ -28,7 +28,8 @@ every record. The candidate is compared with it record by record:
   would inflate a plain spread across layers, but is one step among thirty;
 
 Named: the flagged site's first record, in execution order, whose own excess is over the
-site's threshold (else its largest). The first flagged site is the first divergence; the
+site's threshold (else its largest). The first flagged site in the forward pass (where the site
+first runs, not where its named record is) is the first divergence; the
 dtype tolerance then does not decide (the control answers "more than noise?"; a golden
 answers "who is closer to the truth?"; the tolerance table is the fallback without either).
 """
@@ -99,8 +100,13 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
             site = NoiseSite(s, kind, named.key, gm[s], len(xs), location, spread,
                              len(members), False)
             sites.append(NoiseSite(**{**site.__dict__, "flagged": gm[s] > site.threshold}))
-    order = {str(r.key): (r.key.step, r.key.req, r.order) for r in diff.records}
-    flagged = sorted((s for s in sites if s.flagged), key=lambda s: order[str(s.key)])
+    # a site's place in the forward pass: where it first runs (earliest step, request, order).
+    # Not where its named record is: a fault upstream may cross the threshold first in a later
+    # request than a site it feeds, and the site that runs first is the one that introduces it
+    place: dict[str, tuple[int, int, int]] = {}
+    for r in sorted(diff.records, key=lambda r: (r.key.step, r.key.req, r.order)):
+        place.setdefault(r.key.site, (r.key.step, r.key.req, r.order))
+    flagged = sorted((s for s in sites if s.flagged), key=lambda s: place[s.site])
     sites.sort(key=lambda s: -s.z)
     return NoiseVerdict(diff.control_paths, tuple(recs), tuple(sites), tuple(flagged))
 

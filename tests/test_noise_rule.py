@@ -1,0 +1,71 @@
+"""The control rule (accucheck.verdict.noise) on DiffResults built record by record: exact
+errors and control errors, no files. Each case is one where a plausible wrong rule names
+another record."""
+from __future__ import annotations
+
+from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.metrics import TensorMetrics
+from accucheck.compare.tolerances import Tolerance
+from accucheck.keys import RecordKey
+from accucheck.verdict.locate import Analysis, locate
+
+LAYERS = 10
+
+
+def _m(err: float) -> TensorMetrics:
+    return TensorMetrics(numel=8, max_abs=err, mean_abs=err, max_rel=err, rel_l2=err,
+                         cosine=1.0, sqnr_db=0.0, rmse=err, max_ulp=None, ulp_dtype=None,
+                         frac_rel_lt_1e3=1.0, frac_rel_lt_5e3=1.0, nan_inf_mismatch=0,
+                         worst_index=None, worst_ref=None, worst_cand=None)
+
+
+def _chain(errors: dict[tuple[int, int, str], float]) -> Analysis:
+    """Two requests through LAYERS layers of norm -> down_proj (linked), every control error
+    1e-3 (three controls) and the candidate's error 1e-3 x errors.get((req, layer, site), a
+    quiet 0.97 / 1.0 alternation) for (req, layer, "norm" | "down")."""
+    recs = []
+    for req in (0, 1):
+        prev = None
+        for layer in range(LAYERS):
+            for site in ("norm", "down"):
+                module = f"model.layers.{layer}." + \
+                    ("post_attention_layernorm" if site == "norm" else "mlp.down_proj")
+                key = RecordKey(req, 0, module, 0, "out", "0")
+                ratio = errors.get((req, layer, site), 0.97 if (layer + req) % 2 else 1.0)
+                recs.append(RecordDiff(
+                    key=key, kind="module", order=len(recs), ref_dtype="bfloat16",
+                    cand_dtype="bfloat16", ref_shape=(1, 8), cand_shape=(1, 8),
+                    tolerance=Tolerance(5e-2), basis="tensor", metrics=_m(1e-3 * ratio),
+                    src=(("0", str(prev)),) if prev is not None else (),
+                    control=(1e-3, 1e-3, 1e-3)))
+                prev = key
+    d = DiffResult("ref.h5", "cand.h5", None, tuple(recs), (), (), None, (), (), 0, (),
+                   control_paths=("c0.h5", "c1.h5", "c2.h5"))
+    return Analysis(d, locate(d))
+
+
+def test_the_first_site_in_the_forward_pass_is_the_divergence_not_the_first_named_record():
+    """Layer 6's norm is faulty: x1.12 the control's error in request 0 (under its threshold
+    there) and x1.6 in request 1; the down_proj it feeds adds a little more on top (x1.3 in
+    request 0). Both sites are more than noise over their records. The norm runs first, so
+    it is the divergence; naming the site whose first over-threshold record comes first in
+    the file (down_proj's, in request 0) would blame the Linear downstream of the fault."""
+    errors = {(0, 6, "norm"): 1.12, (1, 6, "norm"): 1.6,
+              (0, 6, "down"): 1.12 * 1.3, (1, 6, "down"): 1.6 * 1.25}
+    for req, base in ((0, 1.12 * 1.3), (1, 1.6 * 1.25)):
+        for layer in range(7, LAYERS):  # downstream layers pass on what they are fed
+            errors[(req, layer, "norm")] = errors[(req, layer, "down")] = base
+    a = _chain(errors)
+    noise = a.location.noise
+    flagged = [s.site for s in noise.flagged]
+    assert flagged == ["model.layers.6.post_attention_layernorm#0:out.0",
+                       "model.layers.6.mlp.down_proj#0:out.0"]
+    # the norm's named record is in request 1, the down_proj's in request 0
+    assert noise.flagged[0].key.req == 1 and noise.flagged[1].key.req == 0
+    assert a.culprit.module == "model.layers.6.post_attention_layernorm"
+    assert a.location.first_divergence.key.module == "model.layers.6.post_attention_layernorm"
+
+
+def test_a_quiet_chain_is_within_the_noise():
+    a = _chain({})
+    assert not a.location.noise.flagged and a.exit_code == 0 and a.culprit is None
