@@ -2,6 +2,7 @@
 measured beside it in the same run. Not a test.
 
     python bench/bench_capture.py [--threads 1] [--repeats 20] [--seqs 64,512] [--no-msprobe]
+    python bench/bench_capture.py --arch qwen3_moe --no-msprobe    # the tiny mixture of experts
 
 For each sequence length, one prefill forward (no KV cache) of the tiny Llama (4 layers, hidden
 256, 2.9M parameters) on the CPU:
@@ -15,6 +16,10 @@ For each sequence length, one prefill forward (no KV cache) of the tiny Llama (4
 - msprobe statistics / tensor L0 (mindstudio-probe's PrecisionDebugger, level L0: every
   module's forward inputs and outputs), when it is installed: each in a child process of its
   own (msprobe patches torch process-wide), on the same model and token ids.
+
+With `--arch qwen3_moe` (the tiny Qwen3-MoE, accucheck.capture.tiny) the routers' three
+outputs keep their values in stats mode, as a capture does (accucheck.capture.moe), and one
+more row measures stats mode without them: what the routing records cost.
 
 Times are medians over `--repeats` forwards, the captured forward alternating with a plain one
 (so a change of machine load hits both), reported as ratios to the plain forward of the same
@@ -42,14 +47,15 @@ if str(ROOT) not in sys.path:  # runnable from a source checkout
 MIB = 1024 * 1024
 
 
-def load_model(threads: int):
+def load_model(threads: int, arch: str = "llama"):
     import torch
     from transformers import AutoModelForCausalLM
 
     from accucheck.capture.tiny import tiny_model_dir
 
     torch.set_num_threads(threads)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(), local_files_only=True).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch=arch),
+                                                local_files_only=True).eval()
 
 
 def token_ids(model, seq: int):
@@ -102,9 +108,11 @@ def coarse_modules(model) -> list[str]:
 def bench_accucheck(model, seq: int, repeats: int, tmp: Path) -> dict:
     import torch
 
+    from accucheck.capture.moe import find_routers
     from accucheck.capture.recorder import Recorder, select_modules
     from accucheck.store import CaptureWriter, open_capture
 
+    gates = [r.gate for r in find_routers(model)]
     ids = token_ids(model, seq)
     plain_model = copy.deepcopy(model)  # never hooked: the plain forward runs no hook at all
 
@@ -113,12 +121,15 @@ def bench_accucheck(model, seq: int, repeats: int, tmp: Path) -> dict:
             plain_model(input_ids=ids, use_cache=False)
 
     out: dict = {"seq": seq}
-    for label, modules, store in (("coarse", coarse_modules(model), "stats"),
-                                  ("stats", select_modules(model), "stats"),
-                                  ("full", select_modules(model), "full")):
+    runs = [("coarse", coarse_modules(model), "stats", gates),
+            ("stats", select_modules(model), "stats", gates),
+            ("full", select_modules(model), "full", gates)]
+    if gates:  # what keeping the routing records' values costs
+        runs.append(("stats, no routing values", select_modules(model), "stats", []))
+    for label, modules, store, keep in runs:
         path = tmp / f"bench-{label}-{seq}.h5"
         writer = CaptureWriter(path, meta={"bench": True}, store=store, force=True)
-        rec = Recorder(model, writer, modules)
+        rec = Recorder(model, writer, modules, keep=keep)
         counter = {"req": 0}
 
         def captured():
@@ -241,6 +252,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--seqs", default="64,512")
     ap.add_argument("--no-msprobe", action="store_true", help="measure accucheck only")
+    ap.add_argument("--arch", default="llama", help="tiny architecture (accucheck tiny-model "
+                    "--arch): llama, qwen3_moe, ...")
     ap.add_argument("--msprobe-child", choices=["statistics", "tensor"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -251,13 +264,13 @@ def main() -> None:
 
     from accucheck.capture.stats import kernel_status
 
-    model = load_model(args.threads)
-    version = None if args.no_msprobe else msprobe_version()
+    model = load_model(args.threads, args.arch)
+    version = None if args.no_msprobe or args.arch != "llama" else msprobe_version()
     said = version or ("not measured (--no-msprobe)" if args.no_msprobe else
                        "not installed (pip install mindstudio-probe to measure it beside "
                        "accucheck); accucheck only")
     load0 = os.getloadavg()
-    print(f"tiny Llama: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+    print(f"tiny {args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"{args.threads} thread(s), {args.repeats} repeats, torch {torch.__version__}, "
           f"CPU statistics kernel: {kernel_status()['cpu']}, msprobe: {said}")
     print(f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
@@ -281,6 +294,13 @@ def main() -> None:
                   f"{full['bytes_per_forward'] / full['activation_bytes_per_forward']:.2f}) | "
                   f"stats file {r['stats']['bytes_per_forward'] / 1024:.1f} KiB/forward",
                   flush=True)
+            bare = r.get("stats, no routing values")
+            if bare is not None:
+                print(f"  routing records: stats mode with their values {r['stats']['ratio']:.2f}x"
+                      f" (CPU {r['stats']['cpu_ratio']:.2f}x), "
+                      f"{r['stats']['bytes_per_forward'] / 1024:.1f} KiB/forward; without "
+                      f"{bare['ratio']:.2f}x (CPU {bare['cpu_ratio']:.2f}x), "
+                      f"{bare['bytes_per_forward'] / 1024:.1f} KiB/forward", flush=True)
             for task in ("statistics", "tensor"):
                 v = r.get(f"msprobe {task}")
                 if isinstance(v, str):

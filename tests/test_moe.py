@@ -4,6 +4,7 @@ expert-level blame (accucheck.capture.moe, accucheck.compare.routing). The flips
 margins are re-derived here from the files with numpy, not read back from the tool."""
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 
 import numpy as np
@@ -297,3 +298,65 @@ def test_routing_replay_refusals(moe, tiny, tmp_path, capsys):
                "-o", tmp_path / "z.h5") == 3
     err = capsys.readouterr().err
     assert "has no routing record" in err and not (tmp_path / "z.h5").exists()
+
+
+@pytest.mark.slow
+def test_moe_signoff_names_the_expert_and_shows_routing(tmp_path):
+    """scenarios/tiny-moe.toml: bf16 candidate, routing replayed, expert 5 of layer 2 faulty:
+    FAIL naming model.layers.2.mlp.experts[5]; routing checks and table in the report."""
+    from pathlib import Path
+
+    from accucheck.signoff.run import signoff
+    from accucheck.signoff.scenario import load_scenario
+
+    scn = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "tiny-moe.toml")
+    res = signoff(scn, out_dir=tmp_path / "report")
+    assert not res.passed and res.culprit.startswith("model.layers.2.mlp.experts[5]")
+    names = {c.name: c for c in res.checks}
+    assert names["routing_agreement"].passed and names["routing_agreement"].value == 1.0
+    assert names["real_routing_flips"].passed
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert doc["routing"]["agreement"] == 1.0 and doc["routing"]["forced"]["weights"] is False
+    assert len(doc["routing"]["per_router"]) == 4
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## MoE routing" in md and "model.layers.3.mlp.gate" in md
+
+
+def test_routing_thresholds_gate_a_signoff(moe):
+    """routing_agreement fails below its limit; real_routing_flips counts only flips that are
+    not near-ties (the shifted router's, not the noisy one's)."""
+    from accucheck.signoff.run import headline, judge
+    from accucheck.signoff.scenario import scenario_from_dict
+
+    _, cap, _ = moe
+    ref = cap("ref")
+    scn = scenario_from_dict({"name": "moe", "prompts": PROMPTS,
+                              "thresholds": {"routing_agreement": 0.999}})
+    noisy = analyze(ref, cap("noisy", dtype="bfloat16",
+                             fault=(GATE.format(1), "router:noise:0.03")))
+    m = headline(noisy, (0, 0))
+    checks = {c.name: c for c in judge(scn, noisy, m, None)}
+    assert m.routing_agreement == noisy.diff.routing.agreement < 0.999
+    assert not checks["routing_agreement"].passed and checks["real_routing_flips"].passed
+    shifted = analyze(ref, cap("shift", fault=(GATE.format(1), "router:3:0.3")))
+    m = headline(shifted, (0, 0))
+    checks = {c.name: c for c in judge(scn, shifted, m, None)}
+    assert m.real_routing_flips >= 1 and not checks["real_routing_flips"].passed
+    assert "(real: margin" in checks["real_routing_flips"].detail
+
+
+def test_scenario_routing_replay_is_checked():
+    from accucheck.signoff.scenario import scenario_from_dict
+
+    s = scenario_from_dict({"name": "m", "model": "@tiny-moe", "prompts": ["a"],
+                            "candidate": {"routing_replay": True}})
+    assert s.candidate.routing_replay and not s.reference.routing_replay
+    assert s.model == "@tiny-moe"
+    for bad, msg in (({"reference": {"routing_replay": True}}, "is for the candidate"),
+                     ({"candidate": {"routing_replay": True, "runner": "vllm"}},
+                      "needs runner = \"hf\""),
+                     ({"candidate": {"routing_replay": True, "teacher_forcing": False}},
+                      "teacher_forcing")):
+        with pytest.raises(UserError) as e:
+            scenario_from_dict({"name": "m", "prompts": ["a"], **bad})
+        assert msg in str(e.value), str(e.value)

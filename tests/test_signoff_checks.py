@@ -78,7 +78,8 @@ def test_headline_numbers():
         "records_compared": 2, "records_over_tolerance": 1, "missing_keys": 0,
         "basis": "tensor", "max_layer_rel_l2": 0.75, "min_layer_cosine": 0.5,
         "max_logits_kl": 2.5, "top1_agreement": 2 / 3, "logits_positions": 3,
-        "token_agreement": 0.75, "tokens_compared": 4, "near_tie_flips": 1, "real_flips": 2}
+        "token_agreement": 0.75, "tokens_compared": 4, "near_tie_flips": 1, "real_flips": 2,
+        "routing_agreement": None, "routing_flips": 0, "real_routing_flips": 0}
     empty = headline(D().add(E0).analysis(), (0, 0))
     assert (empty.max_layer_rel_l2, empty.min_layer_cosine, empty.max_logits_kl,
             empty.top1_agreement, empty.token_agreement, empty.logits_positions) == (
@@ -245,7 +246,8 @@ def test_previous_report_from_another_scenario_is_noted(tmp_path):
     assert (same.note, same.verdict, same.previous) == ("", "same", str(p))
     assert [i.metric for i in same.items] == [
         "max_layer_rel_l2", "max_logits_kl", "records_over_tolerance", "real_flips",
-        "near_tie_flips", "top1_agreement", "token_agreement", "min_layer_cosine"]
+        "near_tie_flips", "top1_agreement", "token_agreement", "min_layer_cosine",
+        "routing_agreement"]
 
 
 def test_regression_check_names_only_the_worse_metrics():
@@ -324,7 +326,7 @@ def test_metric_missing_on_either_side_is_not_compared(tmp_path):
     # a report whose metrics are null: every metric n/a, no error
     got, reg = _regress({}, {}, tmp_path, doc={"schema": "accucheck.signoff",
                                                "scenario": {"name": "tiny-x"}, "metrics": None})
-    assert set(got.values()) == {"n/a"} and len(got) == 8 and reg.verdict == "same"
+    assert set(got.values()) == {"n/a"} and len(got) == 9 and reg.verdict == "same"
 
 
 def test_environment_rows_read_every_source_and_tolerate_missing_sections():

@@ -126,7 +126,8 @@ def test_small_records():
         "records_compared": 12, "records_over_tolerance": 0, "missing_keys": 0,
         "basis": "tensor", "max_layer_rel_l2": None, "min_layer_cosine": None,
         "max_logits_kl": 0.5, "top1_agreement": None, "logits_positions": 0,
-        "token_agreement": None, "tokens_compared": 0, "near_tie_flips": 0, "real_flips": 1}
+        "token_agreement": None, "tokens_compared": 0, "near_tie_flips": 0, "real_flips": 1,
+        "routing_agreement": None, "routing_flips": 0, "real_routing_flips": 0}
     assert [EnvRow("torch", "2.1", "2.1").differs, EnvRow("device", "cpu", "npu").differs] == \
         [False, True]
     assert [Regression("p", v, ()).sentence for v in ("same", "better", "worse")] == \

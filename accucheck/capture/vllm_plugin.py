@@ -218,10 +218,17 @@ class Collector:
             target, factor = self._fault["scale"]
             by_name[target].register_forward_hook(
                 lambda _m, _a, o: (o[0] * factor, *o[1:]) if isinstance(o, tuple) else o * factor)
+        # MoE: (experts path, gate path) of every fused MoE layer whose router is selected
+        self.routers = moe_routers(self.model, set(self.modules))
         if cfg.graph:
             self._install_graph_hooks(by_name)
+            for _experts, gate in self.routers:
+                self.skipped[f"{gate}:out.1"] = self.skipped[f"{gate}:out.2"] = (
+                    "graph mode: the routing inside vLLM's fused MoE layer is not tapped "
+                    "(capture --mode eager for routing records)")
         else:
             self._install_eager_hooks(by_name)
+            self._install_routing_hooks(by_name)
         orig_execute = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
@@ -270,6 +277,24 @@ class Collector:
                 self.handles.append(mod.register_forward_pre_hook(make(name, "in"),
                                                                   with_kwargs=True))
             self.handles.append(mod.register_forward_hook(make(name, "out")))
+
+    def _install_routing_hooks(self, by_name) -> None:
+        """Eager: each fused MoE layer's `router.select_experts` (top-k weights, expert ids)
+        recorded as its gate's slots "1" and "2", the router logits being the gate's slot "0":
+        the keys of a transformers capture (accucheck.capture.moe)."""
+        captured, active, calls = self._captured, self._active, self._calls
+        for experts, gate in self.routers:
+            router = by_name[experts].router
+            orig = router.select_experts
+
+            def select(*args, _orig=orig, _gate=gate, **kwargs):
+                weights, ids = _orig(*args, **kwargs)
+                if active[0]:
+                    call = max(calls.get((_gate, "out"), 1) - 1, 0)
+                    captured.append((_gate, "out", call, "1", weights.detach().clone()))
+                    captured.append((_gate, "out", call, "2", ids.detach().clone()))
+                return weights, ids
+            router.select_experts = select
 
     def _install_graph_hooks(self, by_name) -> None:
         """Discover each hooked output's structure with one eager dummy forward, then give
@@ -377,9 +402,10 @@ class Collector:
                 self.skipped.setdefault(f"{name}:{role}.{slot}", "first dimension is not tokens")
                 continue
             items.append((name, role, call, slot, t))
+        gates = {g for _e, g in self.routers}
         for req, step, s0, cnt in plan:
             pieces = [(name, role, call, slot, t.unsqueeze(0))
-                      for name, role, call, slot, t in _hf_equivalent(items, s0, cnt)]
+                      for name, role, call, slot, t in _hf_equivalent(items, s0, cnt, gates)]
             if not pieces:
                 continue
             full = self.cfg.full
@@ -451,19 +477,33 @@ def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
     return out
 
 
-def _hf_equivalent(items, s0: int, cnt: int):
+def moe_routers(model: torch.nn.Module, selected: set[str]) -> list[tuple[str, str]]:
+    """(experts path, gate path) of every fused MoE layer (a module `….experts` with a
+    `router.select_experts`) whose sibling gate (the router logits) is selected."""
+    out = []
+    for name, mod in model.named_modules():
+        router = getattr(mod, "router", None)
+        if name.endswith("experts") and callable(getattr(router, "select_experts", None)):
+            gate = name[: -len("experts")] + "gate"
+            if gate in selected:
+                out.append((name, gate))
+    return out
+
+
+def _hf_equivalent(items, s0: int, cnt: int, routers: set[str] = frozenset()):
     """This request's rows of each captured tensor, with vLLM tuple outputs mapped onto the
     Hugging Face slots (see docs/vllm.md):
     - decoder layer `(mlp_out, residual)`: slot "0" = mlp_out + residual (the transformers layer
       output, computed in the tensor dtype); the raw elements in "vllm.0" and "vllm.1";
     - any other tuple output `(x, y, ...)` (fused add+RMSNorm returns `(normed, residual)`):
-      slot "0" = x as is, the other elements in "vllm.<i>".
+      slot "0" = x as is, the other elements in "vllm.<i>";
+    - a MoE gate in `routers`: slots as recorded (logits "0", routing weights "1", ids "2").
     Inputs (role "in") keep their own slot names. Yields (module, role, call, slot, tensor)."""
     groups: dict[tuple[str, str, int], list[tuple[str, torch.Tensor]]] = {}
     for name, role, call, slot, t in items:
         groups.setdefault((name, role, call), []).append((slot, t[s0:s0 + cnt]))
     for (name, role, call), slots in groups.items():  # dicts keep execution order
-        if role != "out" or (len(slots) == 1 and slots[0][0] == "0"):
+        if role != "out" or (len(slots) == 1 and slots[0][0] == "0") or name in routers:
             for slot, t in slots:
                 yield name, role, call, slot, t
             continue

@@ -221,13 +221,20 @@ def _router_rows(R: CaptureReader, C: CaptureReader) -> list[tuple[IndexRow, Ind
         if set(slots) != {"0", "1", "2"}:
             continue
         lg, w, ids = slots["0"], slots["1"], slots["2"]
-        if not (ids.dtype.startswith(("int", "uint")) and len(ids.shape) == 2
-                and tuple(w.shape) == tuple(ids.shape) and len(lg.shape) == 2
-                and lg.shape[0] == ids.shape[0] and lg.shape[1] > ids.shape[1] >= 1
+        if not (ids.dtype.startswith(("int", "uint")) and len(ids.shape) >= 2
+                and tuple(w.shape) == tuple(ids.shape) and len(lg.shape) >= 2
+                and _tokens(lg.shape) == _tokens(ids.shape)
+                and lg.shape[-1] > ids.shape[-1] >= 1
                 and not w.dtype.startswith(("int", "uint"))):
             continue
         out.append((lg, w, ids))
     return sorted(out, key=lambda t: (t[2].key.step, t[2].key.req, t[2].order))
+
+
+def _tokens(shape) -> int:
+    """Rows of a [..., tokens, x] record: every dimension but the last (vLLM's per-request
+    records are [1, tokens, x], transformers' [tokens, x])."""
+    return int(np.prod(shape[:-1]))
 
 
 def _experts_module(router: str, meta: dict, present: set[str]) -> tuple[str | None, str | None]:
@@ -304,16 +311,20 @@ def apply_routing(records: list, R: CaptureReader, C: CaptureReader,
         cw = C.row(w.key)
         if not (ids.has_data and C.row(ids.key).has_data):
             continue  # an import without values: nothing to judge routing by
-        ids_r, ids_c = R.read(ids.key), C.read(ids.key)
-        n, top = ids_r.shape
+        top = ids.shape[-1]
+        ids_r, ids_c = R.read(ids.key).reshape(-1, top), C.read(ids.key).reshape(-1, top)
+        n = ids_r.shape[0]
         if ids_c.shape != ids_r.shape:
             continue
         sr, sc = np.sort(ids_r, axis=1), np.sort(ids_c, axis=1)
         flipped = np.flatnonzero((sr != sc).any(axis=1))
         keep = np.ones(n, dtype=bool)
         keep[flipped] = False
-        lg_r = R.read(lg.key) if lg.has_data and C.row(lg.key).has_data else None
-        lg_c = C.read(lg.key) if lg_r is not None else None
+        experts_n = lg.shape[-1]
+        lg_r = R.read(lg.key).reshape(n, experts_n) \
+            if lg.has_data and C.row(lg.key).has_data and C.row(lg.key).shape == lg.shape \
+            else None
+        lg_c = C.read(lg.key).reshape(n, experts_n) if lg_r is not None else None
         flips = tuple(_flip(k, ids.order, int(t), ids_r, ids_c, lg_r, lg_c, follows)
                       for t in flipped)
         # the weights, aligned by expert id, on the tokens routed alike
@@ -373,7 +384,7 @@ def apply_routing(records: list, R: CaptureReader, C: CaptureReader,
                                   metrics=metrics_on(ar[keep], br[keep], recs[j].ref_dtype,
                                                      recs[j].cand_dtype, tol, _rms(ar[keep])))
                 masked.add(key)
-        calls.append(RouterCall(k, ids.order, n, top, lg.shape[1], tuple(int(t) for t in flipped),
+        calls.append(RouterCall(k, ids.order, n, top, experts_n, tuple(int(t) for t in flipped),
                                 differ, wmax, flips, follows))
         if len(flipped) and not follows:
             first[k.req] = (k.step, ids.order)

@@ -137,6 +137,9 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
                      "layers": diff_doc["control"]["layers"]}
                     if diff_doc.get("control") else None),
         "suspicious": diff_doc.get("suspicious", []),
+        "routing": ({k: diff_doc["routing"][k] for k in
+                     ("agreement", "tokens", "flipped", "forced", "first_flip", "real_flip",
+                      "per_router")} if diff_doc.get("routing") else None),
         "tokens": {"agreement": r.metrics.token_agreement,
                    "compared": r.metrics.tokens_compared,
                    "near_tie_flips": r.metrics.near_tie_flips,
@@ -227,6 +230,24 @@ def control_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[boo
         oks.append(ok)
     return ["layer", "cand / control at output", "largest excess inside", "at", "status"], \
         rows, oks
+
+
+def routing_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
+    """MoE: per router, tokens, flips, weights differing, agreement and the first flip
+    (accucheck.compare.routing); third value: no flip there. Empty for a dense model."""
+    routing = r.analysis.diff.routing
+    if routing is None:
+        return [], [], []
+    rows, oks = [], []
+    for d in routing.per_router():
+        f = d["first_flip"]
+        rows.append([d["router"], str(d["tokens"]), str(d["flipped"]),
+                     str(d["weights_differ"]), _pct(d["agreement"]),
+                     "-" if f is None else f"r{f['req']}.s{f['step']} token {f['token']}: "
+                     f"{f['ref_experts']} -> {f['cand_experts']} ({f['label']})"])
+        oks.append(f is None)
+    return ["router", "tokens", "flipped", "weights differ", "agreement", "first flip"], rows, \
+        oks
 
 
 def token_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
@@ -378,6 +399,12 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         out += ["## Candidate / control per layer (mean elementwise relative error ratio; "
                 "excess: over what feeds it, more than noise above its kind's threshold)", "",
                 _md_table(head, rows), ""]
+    head, rows, _ = routing_rows(r)
+    if rows:
+        out += ["## MoE routing (tokens routed to other experts; records after a flip are not "
+                "judged)", "", f"agreement {_pct(r.metrics.routing_agreement)}"
+                + (" (routing forced from the reference)" if r.analysis.diff.routing.forced
+                   else ""), "", _md_table(head, rows), ""]
     m = r.metrics
     out += ["## Tokens and logits", "",
             f"token agreement: {_pct(m.token_agreement)} of {m.tokens_compared} generated "
@@ -512,6 +539,13 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         b += ["<h2>Candidate / control per layer</h2>",
               '<p class="small">Mean elementwise relative error of the candidate over the '
               "control's, at each decoder layer's output; excess: over what feeds it.</p>",
+              _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    head, rows, oks = routing_rows(r)
+    if rows:
+        b += ["<h2>MoE routing</h2>",
+              f'<p class="small">Token routings (token x router call) whose expert set '
+              f"differs; agreement <b>{_pct(r.metrics.routing_agreement)}</b>. Records after "
+              f"a flip compare other experts' computations and are not judged.</p>",
               _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
     m = r.metrics
     b += ["<h2>Tokens and logits</h2>",

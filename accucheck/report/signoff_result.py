@@ -41,6 +41,10 @@ class Metrics:
     tokens_compared: int
     near_tie_flips: int
     real_flips: int
+    routing_agreement: float | None = None  # MoE: share of token routings whose expert set
+                                            # agrees (None: no router)
+    routing_flips: int = 0
+    real_routing_flips: int = 0             # first flips of a request that are not near-ties
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Callable
 
 from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
+from accucheck.compare.routing import flip_line
 from accucheck.errors import UserError
 # the records live in report.signoff_result (the report reads them too); kept importable here
 from accucheck.report.signoff_result import (Check, EnvRow, Metrics, Regression,  # noqa: F401
                                              RegressionItem, SignoffResult, fmt_number)
-from accucheck.signoff.scenario import TINY, Scenario, load_scenario, with_captures
+from accucheck.signoff.scenario import TINY_MODELS, Scenario, load_scenario, with_captures
 from accucheck.verdict.locate import Analysis, analyze
 
 Progress = Callable[[str], None]
@@ -46,6 +47,7 @@ METRIC_DIRECTIONS = {
     "max_layer_rel_l2": "lower", "max_logits_kl": "lower", "records_over_tolerance": "lower",
     "real_flips": "lower", "near_tie_flips": "lower", "top1_agreement": "higher",
     "token_agreement": "higher", "min_layer_cosine": "higher",
+    "routing_agreement": "higher",  # MoE; n/a for a dense model
 }
 
 
@@ -259,10 +261,10 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
     from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 
-    if scn.model == TINY:
+    if scn.model in TINY_MODELS:
         from accucheck.capture.tiny import tiny_model_dir
 
-        model_dir = tiny_model_dir()
+        model_dir = tiny_model_dir(arch=TINY_MODELS[scn.model])
     else:
         model_dir = Path(scn.model)
     extra = {"signoff": {"scenario": scn.name, "role": role}}
@@ -271,6 +273,8 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                           exclude=spec.exclude, record_inputs=spec.record_inputs, seed=spec.seed,
                           deterministic=spec.deterministic,
                           tokens_from=str(tokens_from) if tokens_from else None,
+                          routing_from=str(tokens_from) if tokens_from and spec.routing_replay
+                          else None,
                           compile_backend=spec.compile_backend, force=force, meta_extra=extra)
     t = time.monotonic()
     log(f"signoff: capturing the {role} ({spec.label}) for {len(scn.prompts)} prompt(s), "
@@ -381,7 +385,11 @@ def headline(a: Analysis, tokens: tuple[int, int]) -> Metrics:
         logits_positions=len(positions),
         token_agreement=(agree / n) if n else None, tokens_compared=n,
         near_tie_flips=sum(1 for f in flips if f.near_tie is True),
-        real_flips=sum(1 for f in flips if f.near_tie is not True))
+        real_flips=sum(1 for f in flips if f.near_tie is not True),
+        routing_agreement=d.routing.agreement if d.routing is not None else None,
+        routing_flips=d.routing.flipped if d.routing is not None else 0,
+        real_routing_flips=sum(f.near_tie is not True for f in d.routing.first_flips)
+        if d.routing is not None else 0)
 
 
 def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tuple[Check, ...]:
@@ -447,6 +455,15 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
                         m.near_tie_flips, thr.near_tie_flips, "<=",
                         f"{m.near_tie_flips} near-tie generated-token flip(s) (allowed "
                         f"{thr.near_tie_flips})" + _first_flip(d, real=False)))
+    if d.routing is not None:  # MoE (compare.routing)
+        lower("routing_agreement", m.routing_agreement, thr.routing_agreement,
+              "routing agreement")
+        real = d.routing.real_flip
+        checks.append(Check("real_routing_flips", m.real_routing_flips <= thr.real_routing_flips,
+                            m.real_routing_flips, thr.real_routing_flips, "<=",
+                            f"{m.real_routing_flips} real MoE routing flip(s) (allowed "
+                            f"{thr.real_routing_flips})"
+                            + (f"; first {flip_line(real)}" if real is not None else "")))
     if reg is not None and thr.fail_on_regression:
         worse = [i.metric for i in reg.items if i.change == "worse"]
         checks.append(Check("regression", reg.verdict != "worse", len(worse), 0, "<=",

@@ -24,6 +24,8 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     capture = "gpu.h5"                      # an existing capture to use instead of running
     [candidate]                             # same keys, plus
     teacher_forcing = true                  # decode the reference's tokens (default true)
+    routing_replay = false                  # MoE: the reference's expert ids in every router
+                                            # call (capture --routing-from; hf eager)
     fault = { module = "model.layers.2.mlp", kind = "bf16" }   # TESTING / DEMO ONLY
     [golden]                                # the high-precision referee run (or capture);
     dtype = "float64"                       # by default (no [golden] table, reference run
@@ -45,6 +47,9 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     token_agreement = 1.0                   # min fraction of generated tokens that agree
     near_tie_flips = 0                      # generated-token flips allowed when near-ties
     real_flips = 0                          # generated-token flips allowed that are not
+    routing_agreement = 0.99                # MoE: min share of token routings (token x
+                                            # router call) whose expert set agrees
+    real_routing_flips = 0                  # MoE: routing flips allowed that are not near-ties
     amplification = 4.0                     # locate: "introduced" above this output/input ratio
     regression_margin = 0.25                # vs previous: relative change that counts
     fail_on_regression = true               # "worse than last release" fails the sign-off
@@ -70,6 +75,7 @@ from accucheck.errors import UserError
 from accucheck.compare.tolerances import ToleranceTable
 
 TINY = "@tiny"
+TINY_MODELS = {TINY: "llama", "@tiny-moe": "qwen3_moe"}  # built-in models: name -> tiny arch
 RUNNERS = ("hf", "vllm")
 STORES = ("stats", "full")
 MODES = ("eager", "graph")
@@ -107,6 +113,7 @@ class RunSpec:
     compile_backend: str | None = None
     engine_args: dict = field(default_factory=dict)   # vLLM engine options
     teacher_forcing: bool = True      # candidate / golden / control: the reference's tokens
+    routing_replay: bool = False      # MoE: the reference's routing (capture --routing-from)
     fault: Fault | None = None
     dither: int | None = None         # TESTING: faults.dithered(seed), another device's rounding
 
@@ -136,6 +143,8 @@ class Thresholds:
     token_agreement: float | None = None
     near_tie_flips: int = 0
     real_flips: int = 0
+    routing_agreement: float | None = None
+    real_routing_flips: int = 0
     amplification: float | None = None
     regression_margin: float = 0.25
     fail_on_regression: bool = True
@@ -171,7 +180,7 @@ class Scenario:
 
 _RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministic", "include",
              "exclude", "record_inputs", "compile_backend", "engine_args"}
-_RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither"}
+_RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither", "routing_replay"}
 _TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
              "previous", "trust_remote_code", "reference", "candidate", "golden", "control",
              "thresholds"} | _RUN_KEYS
@@ -264,7 +273,7 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
         return None if v is None else (base / Path(v).expanduser()).resolve()
 
     model = top.get("model", str, TINY)
-    model = model if model == TINY else str(rel(model))
+    model = model if model in TINY_MODELS else str(rel(model))
     prompts = list(top.strings("prompts"))
     pf = top.get("prompts_file", str)
     if pf is not None:
@@ -298,6 +307,11 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
             raise r.fail("teacher_forcing", "is for the candidate and golden runs (they follow "
                                             "the reference's tokens)")
         extra["teacher_forcing"] = r.get("teacher_forcing", bool, True)
+        if "routing_replay" in t:
+            if role == "reference":
+                raise r.fail("routing_replay", "is for the candidate, golden and control runs "
+                                               "(they follow the reference's routing)")
+            extra["routing_replay"] = r.get("routing_replay", bool, False)
         f = r.get("fault", dict)
         if f is not None:
             fr = _Reader(src, f, f"{role}.fault.")
@@ -385,6 +399,10 @@ def _make_run(role: str, defaults: dict, extra: dict, src: str) -> RunSpec:
         raise UserError(f"{src}: {role}.fault: planted faults need runner = \"hf\"")
     if spec.engine_args and spec.runner != "vllm":
         raise UserError(f"{src}: {role}.engine_args: only for runner = \"vllm\"")
+    if spec.routing_replay and (spec.runner != "hf" or spec.mode != "eager"
+                                or not spec.teacher_forcing):
+        raise UserError(f"{src}: {role}.routing_replay: needs runner = \"hf\", mode = "
+                        f"\"eager\" and teacher_forcing")
     try:
         from accucheck.capture.device import parse_device  # no torch import
 
@@ -412,6 +430,8 @@ def _thresholds(t: dict, src: str) -> Thresholds:
         logits_kl=r.number("logits_kl"), top1_agreement=r.number("top1_agreement", hi=1),
         token_agreement=r.number("token_agreement", hi=1),
         near_tie_flips=r.count("near_tie_flips"), real_flips=r.count("real_flips"),
+        routing_agreement=r.number("routing_agreement", hi=1),
+        real_routing_flips=r.count("real_routing_flips"),
         amplification=r.number("amplification", lo=1),
         regression_margin=r.number("regression_margin", 0.25),
         fail_on_regression=r.get("fail_on_regression", bool, True))
