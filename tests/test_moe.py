@@ -360,3 +360,19 @@ def test_scenario_routing_replay_is_checked():
         with pytest.raises(UserError) as e:
             scenario_from_dict({"name": "m", "prompts": ["a"], **bad})
         assert msg in str(e.value), str(e.value)
+
+
+def test_a_control_past_its_own_routing_flip_gives_those_records_no_noise(moe):
+    """A control run whose own routing flipped (the noisy-router bf16 run) measures other
+    experts' computations after its flip: those records get no control value (the control
+    rule does not judge them), the others do."""
+    from accucheck.compare.diff import diff_captures
+
+    _, cap, _ = moe
+    ref = cap("ref")
+    ctl = cap("noisy", dtype="bfloat16", fault=(GATE.format(1), "router:noise:0.03"))
+    cand = cap("bf16", dtype="bfloat16")
+    after = {str(r.key) for r in diff_captures(ref, ctl).records if r.routing == AFTER_FLIP}
+    d = diff_captures(ref, cand, controls=[ctl])
+    assert after and all(r.control is None for r in d.records if str(r.key) in after)
+    assert sum(r.control is not None for r in d.records) > len(d.records) // 2

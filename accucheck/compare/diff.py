@@ -370,7 +370,10 @@ def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str]
     controls=...)` computes; a benchmark judging many candidates reuses them)."""
     if not ctl:
         return d
-    errs = [{str(r.key): r.elem_error for r in c.records} for c in ctl]
+    # a control record after a routing flip of the control's own (MoE) measures other experts'
+    # computations, not noise: the record has no control value then (not judged by the rule)
+    errs = [{str(r.key): r.elem_error for r in c.records if r.routing not in JUDGED_ELSEWHERE}
+            for c in ctl]
     recs = tuple(replace(r, control=tuple(e[str(r.key)] for e in errs))
                  if all(str(r.key) in e for e in errs) else r for r in d.records)
     return replace(d, records=recs, notes=d.notes + tuple(notes),
