@@ -149,3 +149,29 @@ def test_small_records():
     (1.2345e-5, "1.23e-05")])
 def test_fmt_number_three_significant_digits_scientific_outside_1e_3_to_1e4(x, want):
     assert fmt_number(x) == want
+
+
+def test_a_diffuse_fail_with_a_suspicious_record_upstream_says_so():
+    """Layer 5's down_proj amplifies x20 within tolerance (SUSPICIOUS); layer 6 carries the
+    error over tolerance, inherited: the sign-off's verdict sentence names the lead."""
+    d = D().add("r0.s0:model.embed_tokens#0:out.0", 1e-3, tol=0.05)
+    for i in range(8):
+        prev = f"model.layers.{i - 1}#0:out.0" if i else "model.embed_tokens#0:out.0"
+        e_in, e_out = (2e-2, 6e-2) if i == 6 else (1e-3, 2e-2 if i == 5 else 1e-3)
+        d.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:in.0", e_in, tol=0.05)
+        d.add(f"r0.s0:model.layers.{i}.mlp.down_proj#0:out.0", e_out, tol=0.05)
+        d.add(f"r0.s0:model.layers.{i}#0:out.0", 6e-2 if i == 6 else 1e-3, tol=0.05,
+              src={"0": prev})
+    a = d.analysis()
+    assert a.location.diffuse and a.location.suspicious
+    r = _result((_check("records", False),), analysis=a)
+    assert "diffuse / inherited" in r.summary
+    assert "SUSPICIOUS upstream: model.layers.5.mlp.down_proj (r0.s0:model.layers.5.mlp." \
+           "down_proj#0:out.0" in r.summary, r.summary
+
+
+def test_a_pass_with_near_tie_routing_flips_says_so():
+    r = _result((_check("routing_agreement", True),),
+                metrics=_metrics(routing_agreement=0.995, routing_flips=2))
+    assert r.passed and "MoE routing agreement 99.50% (2 near-tie routing flip(s);" in r.summary
+    assert "MoE" not in _result().summary

@@ -146,6 +146,10 @@ class SignoffResult:
                 bits.append(f"token agreement {m.token_agreement:.1%}")
             if m.near_tie_flips:
                 bits.append(f"{m.near_tie_flips} near-tie token flip(s) allowed")
+            if m.routing_flips:
+                bits.append(f"MoE routing agreement {m.routing_agreement:.2%} ("
+                            f"{m.routing_flips} near-tie routing flip(s); the records after "
+                            f"them compare other experts and are not judged)")
             if self.regression is not None:
                 bits.append(self.regression.sentence)
             return f"PASS: {what}: " + ", ".join(bits) + "."
