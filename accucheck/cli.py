@@ -236,6 +236,11 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--step", "steps", type=int, multiple=True, help="only this step (repeatable)")
 @click.option("--include", multiple=True,
               help="only keys matching this glob (key, site or module path; repeatable)")
+@click.option("--transform", "transforms", multiple=True,
+              metavar="[ref:|cand:]PATTERN=STEP[+STEP]",
+              help="bring one side's records to the other's layout before comparing: "
+                   "dequant:KEY, permute:A,B,..., reshape:A,B,..., rotate:KEY (docs/transforms.md; "
+                   "repeatable; never applied unless declared)")
 @click.option("--amplification", type=click.FloatRange(min=1.0), default=None,
               help="output/input error ratio above which an error is 'introduced' (default 4, "
                    "at least 1)")
@@ -244,7 +249,7 @@ def inspect(capture_file, pattern, step, limit, fmt):
               help="compare captures of different model configs (e.g. a checkpoint conversion);"
                    " refused by default")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
-         include, amplification, allow_incomplete, allow_model_mismatch):
+         include, transforms, amplification, allow_incomplete, allow_model_mismatch):
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
@@ -257,6 +262,9 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
         if v is not None and not v >= 0:
             raise UserError.usage(f"{flag} {v}: a tolerance is a number >= 0")
     tol = ToleranceTable.from_options(rel_l2=rel_l2, rtol=rtol, atol=atol, overrides=overrides)
+    from accucheck.compare.transforms import parse_transform
+
+    declared = [parse_transform(t) for t in transforms]
     if out:
         _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden,
                                           **{f"--control #{i + 1}": c for i, c in enumerate(controls)}})
@@ -273,7 +281,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
 
     d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
                       allow_incomplete=allow_incomplete, progress=progress,
-                      allow_model_mismatch=allow_model_mismatch, controls=controls)
+                      allow_model_mismatch=allow_model_mismatch, controls=controls,
+                      transforms=declared)
     while head:
         err(head.pop())
     result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))

@@ -43,12 +43,14 @@ import numpy as np
 
 from accucheck.compare.compat import check_same_model
 from accucheck.compare.control import check_control
-from accucheck.errors import UserError
+from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey, split_rank
 from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics,
                                        is_float_dtype, kl_div, logit_noise, top2_margin,
                                        topk_overlap)
 from accucheck.compare.opmatch import OpAlignment, align_captures
+from accucheck.compare.transforms import Transform, find_record
+from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import (JUDGED_ELSEWHERE, RoutingResult, apply_routing,
                                        routing_notes)
 from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
@@ -324,8 +326,12 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
                   allow_incomplete: bool = False, max_elems: int = 1 << 20,
                   progress: Progress | None = None,
                   allow_model_mismatch: bool = False,
-                  controls: Sequence[str | os.PathLike | CaptureReader] = ()) -> DiffResult:
+                  controls: Sequence[str | os.PathLike | CaptureReader] = (),
+                  transforms: Sequence[Transform] = ()) -> DiffResult:
     """Compare candidate against reference (and both against `golden` when given).
+
+    `transforms`: declared transforms of one side's records before they are compared
+    (compare.transforms; `--transform`); one that matches no record is a UserError.
 
     `controls`: control runs (compare.control: the reference's code at the candidate's dtype,
     forced to the reference's tokens); each record then carries err(CTL_i, REF) in `control`,
@@ -355,7 +361,8 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
         T = [_open(x) for x in controls]
         notes = [n for t in T for n in check_control(
             R, t, C, allow_model_mismatch=allow_model_mismatch)]
-        result = _Differ(R, C, G, tol, steps, include, max_elems, progress).run()
+        result = _Differ(R, C, G, tol, steps, include, max_elems, progress,
+                         tuple(transforms)).run()
         return with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
                                               None).run() for t in T], notes)
     finally:
@@ -382,8 +389,11 @@ def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str]
 
 class _Differ:
     def __init__(self, R: CaptureReader, C: CaptureReader, G: CaptureReader | None,
-                 tol: ToleranceTable, steps, include, max_elems: int, progress):
+                 tol: ToleranceTable, steps, include, max_elems: int, progress,
+                 transforms: tuple[Transform, ...] = ()):
         self.R, self.C, self.G = R, C, G
+        self.transforms = transforms
+        self._applied: dict[str, list[int]] = {t.text: [0, 0] for t in transforms}
         self.tol = tol
         self.steps = None if steps is None else set(int(s) for s in steps)
         self.include = tuple(include)
@@ -537,6 +547,7 @@ class _Differ:
         records += [rd for rd in joined if comparable(rd.key, limits)]
         records.sort(key=lambda rd: rd.order)  # stable: a rank's copy right after the copy
         records = _absorb(records)
+        self.notes += self.transform_notes()
         records, routing = apply_routing(records, self.R, self.C, self._row_tolerance)
         if routing is not None:
             self.notes += routing_notes(records, routing, str(self.R.path))
@@ -609,6 +620,11 @@ class _Differ:
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
                     tolerance=tol, cand_key=ca.key if ca.key != ra.key else None,
                     src=_links(ra) or _links(ca))
+        todo = [t for t in self.transforms if t.matches(ra.key)]
+        if todo and ra.has_data and ca.has_data:
+            return self._transformed(ra, ca, todo, tol, base), None
+        for t in todo:  # statistics only: left as they are (the note counts them)
+            self._applied[t.text][1] += 1
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
         if not (ra.has_data and ca.has_data):
@@ -655,6 +671,45 @@ class _Differ:
                 else GoldenLabel("n/a", None, None, mult)
         rd = RecordDiff(basis="tensor", metrics=metrics, shadow=shadow_m, golden=glabel, **base)
         return rd, (LogitsStep(ra.key, tuple(positions)) if is_logits else None)
+
+    def _transformed(self, ra: IndexRow, ca: IndexRow, todo: list[Transform], tol: Tolerance,
+                     base: dict) -> RecordDiff:
+        """A record compared after the declared transforms of one side (compare.transforms):
+        both tensors read whole, transformed, then measured like any pair."""
+        arrays = {"ref": self.R.read(ra.key), "cand": self.C.read(ca.key)}
+        for t in todo:
+            side = self.R if t.side == "ref" else self.C
+            key = ra.key if t.side == "ref" else ca.key
+
+            def lookup(pattern: str, side=side, key=key) -> np.ndarray:
+                found = find_record([r.key for r in side.rows], pattern, key.req, key.step)
+                if found is None:
+                    raise UserError(f"--transform {t.text}: no record {pattern!r} in "
+                                    f"{side.path} for request {key.req} step {key.step}")
+                return side.read(found)
+            arrays[t.side] = apply_transform(t, arrays[t.side], lookup)
+            self._applied[t.text][0] += 1
+        a, b = arrays["ref"], arrays["cand"]
+        base = dict(base, ref_shape=tuple(a.shape), cand_shape=tuple(b.shape))
+        if a.shape != b.shape:
+            return RecordDiff(basis="shape", **base)
+        acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
+                                scale=_rms(ra) if not any(t.side == "ref" for t in todo)
+                                else None)
+        acc.add(a, b)
+        return RecordDiff(basis="tensor", metrics=acc.result(), **base)
+
+    def transform_notes(self) -> list[str]:
+        """What each declared transform did; UserError for one that matched nothing."""
+        out = []
+        for text, (done, stats_only) in self._applied.items():
+            if not done and not stats_only:
+                raise UserError(f"--transform {text}: its pattern matches no record compared "
+                                f"(see `accucheck inspect` for the keys)", EXIT_USAGE)
+            out.append(f"--transform {text}: applied to {done} record(s) before comparing"
+                       + (f"; {stats_only} with statistics only left as they are (capture "
+                          f"with --store full)" if stats_only else ""))
+        return out
 
     def _tolerance_dtypes(self, ref_dtype: str, cand_dtype: str) -> tuple[str | None, ...]:
         """The dtypes whose loosest picks a record's tolerance: the two runs' compute dtypes
