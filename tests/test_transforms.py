@@ -133,3 +133,18 @@ def test_the_cli_applies_a_layout_transform(tmp_path, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("PASS"), out
     assert "--transform *down_proj#0:out.0=permute:1,2,0,3+reshape:32,64: applied to 1" in out
+
+
+def test_raw_logits_against_processed_ones_are_refused(tmp_path):
+    """Captures say which logits they hold (meta "logits": accucheck records raw ones); a
+    processed side (after penalties / temperature) against a raw one is refused in one line."""
+    key = "r0.s0:logits#0:out.0"
+    x = RNG.standard_normal((1, 3, 16))
+    ref, cand = (cap(tmp_path / f"{kind}.h5", [(key, x, None, None)],
+                     meta={"logits": {"kind": kind, "source": "test"}})
+                 for kind in ("raw", "processed"))
+    with pytest.raises(UserError) as e:
+        diff_captures(ref, cand)
+    assert "holds raw logits" in str(e.value) and "processed ones" in str(e.value)
+    assert e.value.exit_code == 3
+    assert diff_captures(ref, ref).within  # the same kind: compared

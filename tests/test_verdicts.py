@@ -30,9 +30,9 @@ def _stats(x):
                      0, 0, (f == 0).sum(), f.size], dtype=np.float64)
 
 
-def cap(path, recs, *, dtype="float32", gen=((4, 5),), prompts=((1, 2, 3),)):
+def cap(path, recs, *, dtype="float32", gen=((4, 5),), prompts=((1, 2, 3),), meta=None):
     """recs: [(key, array, extra-dict-or-None, record-dtype-or-None)] in execution order."""
-    with CaptureWriter(path, meta={"dtype": dtype}, store="full") as w:
+    with CaptureWriter(path, meta={"dtype": dtype, **(meta or {})}, store="full") as w:
         for k, x, extra, rdt in recs:
             key = RecordKey.parse(k)
             x = np.asarray(x, np.float16 if rdt == "float16" else np.float32)

@@ -216,6 +216,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         "modules": modules,
         "graph_taps": None if opts.mode != "graph" else "boundaries" if taps else "selection",
         "moe": moe_meta(routers),
+        "logits": {"kind": "raw", "source": "the model's output logits (before any logits "
+                                             "processor or sampling transform)"},
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }

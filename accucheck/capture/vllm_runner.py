@@ -461,6 +461,8 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
                   "config_hash": config_hash(_ConfigOnly(hf_config)), "weight_hash": None,
                   "config": json.loads(json.dumps(hf_config.to_dict(), default=str))},
         "modules": modules,
+        "logits": {"kind": "raw", "source": "vLLM raw logits (logprobs_mode raw_logits: before "
+                                             "any logits processor or sampling transform)"},
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         "vllm": {
             "engine_kwargs": json.loads(json.dumps(

@@ -64,3 +64,23 @@ def check_same_model(ref: Any, cand: Any, golden: Any = None, *,
             f"{ref.path} and {other.path} ({role}) were captured from different models ({why}):"
             f" compare captures of the same model, or pass --allow-model-mismatch if they are "
             f"meant to differ (e.g. a checkpoint conversion)")
+
+
+def logits_notes(ref: Any, cand: Any) -> list[str]:
+    """Which logits the two captures hold (meta "logits": "raw", before any logits processor,
+    or "processed"): UserError (exit 3) for raw against processed, which measures the
+    sampling processors, not the device; a note saying what is compared when the runners
+    differ (transformers against vLLM); nothing when either side does not say."""
+    ka = (ref.meta.get("logits") or {}) if isinstance(ref.meta.get("logits"), dict) else {}
+    kb = (cand.meta.get("logits") or {}) if isinstance(cand.meta.get("logits"), dict) else {}
+    a, b = ka.get("kind"), kb.get("kind")
+    if not a or not b:
+        return []
+    if a != b:
+        raise UserError(f"{ref.path} holds {a} logits, {cand.path} {b} ones: comparing them "
+                        f"would measure the logits processors, not the device; capture both "
+                        f"{'raw' if 'raw' in (a, b) else a} (accucheck records raw logits)")
+    if ref.meta.get("runner") != cand.meta.get("runner"):
+        return [f"logits compared: {a} on both sides (ref: {ka.get('source', '?')}; cand: "
+                f"{kb.get('source', '?')})"]
+    return []

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from accucheck.compare.compat import check_same_model
+from accucheck.compare.compat import check_same_model, logits_notes
 from accucheck.compare.control import check_control
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey, split_rank
@@ -463,6 +463,7 @@ class _Differ:
     # -- main
     def run(self) -> DiffResult:
         limits, flip = self._token_limits()
+        self.notes += logits_notes(self.R, self.C)   # raw against processed: refused
         self.notes += weight_notes(self.R.meta, self.C.meta)  # accucheck.compare.weights
         glimits = self._golden_limits() if self.G is not None else {}
 
