@@ -8,6 +8,7 @@ costs ~15-40 s on 2 cores. The last tests need no vLLM (argument checks before t
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -110,9 +111,13 @@ def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _worst(ref_path, cand_path, keep=lambda key: True) -> dict[str, float]:
-    """Worst relative L2 error per module over the keys both captures hold."""
+    """Worst relative L2 error per module over the keys both captures hold, vLLM's seen as
+    transformers' (accucheck.compare.mapping)."""
+    from accucheck.compare.mapping import maybe_mapped
+
     worst: dict[str, float] = {}
-    with open_capture(ref_path) as ref, open_capture(cand_path) as cand:
+    with open_capture(ref_path) as r0, open_capture(cand_path) as c0:
+        ref, cand = maybe_mapped(r0), maybe_mapped(c0)
         for row in ref.rows:
             if row.key not in cand or not keep(row.key):
                 continue
@@ -130,28 +135,32 @@ def _tokens(path):
 # -- vLLM tests ---------------------------------------------------------------------------------
 @vllm_mark
 def test_eager_has_the_hf_keys_and_shapes(hf_full, eager):
-    with open_capture(hf_full) as h, open_capture(eager) as v:
-        vmods = set(v.meta["modules"])
-        # transformers' unfused leaves (q/k/v_proj, gate/up_proj, act_fn) and its rotary_emb have
-        # no vLLM module of the same meaning; its "in" records (inputs no link explains) have
-        # none either: the HF outputs of the modules vLLM records
-        assert {f"model.layers.0.{m}" for m in ("self_attn.o_proj", "mlp.down_proj")} <= vmods
-        assert not {f"model.layers.0.{m}" for m in ("mlp.act_fn", "self_attn.rotary_emb",
-                                                    "self_attn.qkv_proj")} & vmods
+    """Seen through the mapping (accucheck.compare.mapping), the vLLM capture holds every
+    transformers record but act_fn's (act(gate): vLLM fuses it with * up, shown as down_proj's
+    input) and the rotary embedding's, with the same shapes and execution order."""
+    from accucheck.compare.mapping import maybe_mapped
+
+    with open_capture(hf_full) as h, open_capture(eager) as raw:
+        v = maybe_mapped(raw)
+        vmods = set(raw.meta["modules"])
+        assert {f"model.layers.0.{m}" for m in ("self_attn.qkv_proj", "self_attn.attn",
+                                                "self_attn.o_proj", "mlp.gate_up_proj",
+                                                "mlp.act_fn", "mlp.down_proj")} <= vmods
+        assert "model.layers.0.self_attn.rotary_emb" not in vmods
         hk = {str(r.key): r for r in h.rows
-              if r.key.role == "out" and (r.key.module in vmods or r.key.is_logits)}
+              if not r.key.module.endswith(("mlp.act_fn", "rotary_emb"))}
         vk = {str(r.key): r for r in v.rows}
-        assert v.complete and v.meta["runner"] == "vllm" and v.meta["mode"] == "eager"
-        assert v.meta["model"]["config_hash"] == h.meta["model"]["config_hash"]
-        assert not v.meta["vllm"]["skipped"]
-        assert set(hk) <= set(vk)
+        assert raw.complete and raw.meta["runner"] == "vllm" and raw.meta["mode"] == "eager"
+        assert raw.meta["model"]["config_hash"] == h.meta["model"]["config_hash"]
+        assert not raw.meta["vllm"]["skipped"]
+        assert set(hk) <= set(vk), sorted(set(hk) - set(vk))[:5]
         extra = set(vk) - set(hk)
         assert extra and all(k.split(":")[-1].startswith("out.vllm.") for k in extra)
         for k, r in hk.items():
             assert vk[k].shape == r.shape and vk[k].kind == r.kind, k
-        # per (req, step): the same execution order as transformers, logits last
-        hv = [k for k in vk if k in hk]
-        assert hv == list(hk)
+        # per (req, step): the module outputs in transformers' execution order, logits last
+        hv = [k for k in vk if k in hk and ":out." in k]
+        assert hv == [k for k in hk if ":out." in k]
     assert _tokens(eager) == _tokens(hf_full)
 
 
@@ -169,11 +178,12 @@ def test_eager_matches_transformers_within_fp32_noise(hf_full, eager):
     assert result.first_flip is None
     with open_capture(eager) as v:
         vmods = set(v.meta["modules"])
-    # one side only: vLLM's extra slots, transformers' modules vLLM does not have (or fuses)
-    # and its "in" records
+    # one side only: vLLM's extra slots; transformers' act_fn (vLLM's is shown as down_proj's
+    # input) and the modules vLLM does not have
     assert all(":out.vllm." in m.key if m.only_in == "cand" else
-               m.key.split(":")[1].split("#")[0] not in vmods or ":in." in m.key
+               m.key.split(":")[1].split("#")[0] not in vmods or ".mlp.act_fn#" in m.key
                for m in result.missing)
+    assert any("vLLM's fused records shown as transformers'" in n for n in result.notes)
 
 
 @vllm_mark
@@ -261,6 +271,79 @@ def test_step_logits_layout(eager, hf_full):
                 assert int(v.read(f"r{r}.s{k}:logits#0:out.0")[0, -1].argmax()) == gen[k]
             assert v.row(f"r{r}.s0:logits#0:out.0").dtype == "float32"
             assert h.row(f"r{r}.s0:logits#0:out.0").shape == s0.shape
+
+
+# -- HF against vLLM, leaf by leaf (accucheck.compare.mapping) ---------------------------------
+K_PART = (256, 384)   # the tiny Llama's q|k|v: 8 heads x 32, then 4 kv heads x 32 each
+LAYER1_QKV = "model.layers.1.self_attn.qkv_proj"
+
+
+def _faulty_vllm(tiny_dir, work, name, fault):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ACCUCHECK_VLLM_TEST_FAULT", json.dumps({"rank": 0, **fault}))
+    try:
+        return _vllm_capture(tiny_dir, work / f"{name}.h5")
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def hf_on_vllm_tokens(tiny_dir, work, eager):
+    return capture_dir(tiny_dir, PROMPTS, work / "hf_on_vllm.h5",
+                       CaptureOptions(store="full", max_new_tokens=N_NEW,
+                                      tokens_from=str(eager)))
+
+
+@vllm_mark
+def test_hf_against_vllm_leaf_by_leaf_within_fp32_noise(hf_on_vllm_tokens, eager):
+    from accucheck.compare.diff import diff_captures
+
+    d = diff_captures(hf_on_vllm_tokens, eager)
+    leaves = [r for r in d.records if r.key.module.endswith(
+        ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        or (r.key.role == "in" and r.key.module.endswith(("o_proj", "down_proj",
+                                                           "post_attention_layernorm")))]
+    kinds = {r.key.module.rsplit(".", 1)[-1] + ":" + r.key.role for r in leaves}
+    assert kinds == {"q_proj:out", "k_proj:out", "v_proj:out", "gate_proj:out", "up_proj:out",
+                     "o_proj:in", "down_proj:in", "post_attention_layernorm:in"}
+    assert max(r.error for r in leaves) < FP32_NOISE and d.within
+    assert d.mapping["sides"]["cand"]["mapped"] > 0 and d.mapping["table"][0]["sizes"] == \
+        [256, 128, 128]
+    # the weights: vLLM's fused ones cut and named as transformers'; all the same
+    with open_capture(eager) as v:
+        w = v.meta["weights"]
+        assert w["model.layers.1.self_attn.k_proj.weight"]["source"] == "qkv_proj rows 256-383"
+        assert w["model.layers.1.mlp.up_proj.weight"]["shape"] == [512, 256]
+    assert not any(n.startswith("WEIGHTS DIFFER") for n in d.notes)
+
+
+@vllm_mark
+def test_a_fault_in_vllms_k_part_is_named_at_k_proj(tiny_dir, work, hf_on_vllm_tokens, eager):
+    """Layer 1's fused q|k|v output has its k columns scaled by 1.05 in vLLM: against
+    transformers, the culprit is model.layers.1.self_attn.k_proj (not the decoder layer)."""
+    from accucheck.verdict.locate import analyze
+
+    cand = _faulty_vllm(tiny_dir, work, "kfault", {"scale_part": [LAYER1_QKV, *K_PART, 1.05]})
+    a = analyze(hf_on_vllm_tokens, cand)
+    assert a.culprit is not None and a.culprit.module == "model.layers.1.self_attn.k_proj", \
+        a.location.first_divergence
+    q = next(r for r in a.diff.records if str(r.key) ==
+             "r0.s0:model.layers.1.self_attn.q_proj#0:out.0")
+    assert q.error < FP32_NOISE  # the q part of the same fused record is untouched
+
+
+@vllm_mark
+def test_a_kv_layout_bug_is_named_from_the_weights(tiny_dir, work, hf_on_vllm_tokens):
+    """k and v rows of layer 1's fused weight swapped (a checkpoint conversion bug): the diff
+    says so from the weights alone, naming the rows of the fused weight."""
+    from accucheck.compare.diff import diff_captures
+
+    cand = _faulty_vllm(tiny_dir, work, "kvswap", {"swap_kv": LAYER1_QKV})
+    d = diff_captures(hf_on_vllm_tokens, cand)
+    [note] = [n for n in d.notes if n.startswith("WEIGHTS DIFFER")]
+    assert "2 weight(s)" in note
+    assert "model.layers.1.self_attn.k_proj.weight (vLLM qkv_proj rows 256-383:" in note
+    assert "model.layers.1.self_attn.v_proj.weight (vLLM qkv_proj rows 384-511:" in note
 
 
 # -- no vLLM needed -----------------------------------------------------------------------------

@@ -29,8 +29,11 @@ from accucheck.keys import rank_slot
 # parts sit: "concat" = contiguous along the last dimension in rank order, "packed" = several
 # tensors per rank (q|k|v, gate|up), no concatenation gives the unsharded layout
 SHARDED_OUT = {"QKVParallelLinear": "packed", "MergedColumnParallelLinear": "packed",
-               "ColumnParallelLinear": "concat", "Attention": "concat"}
-SHARDED_IN = {"RowParallelLinear": "concat"}   # its input is this rank's part (input_is_parallel)
+               "ColumnParallelLinear": "concat", "Attention": "concat",
+               "AndMul": "concat"}  # SiluAndMul / GeluAndMul: this rank's intermediate columns
+SHARDED_IN = {"RowParallelLinear": "concat",   # its input is this rank's part (input_is_parallel)
+              "Attention": "concat",           # q, k, v: this rank's heads
+              "AndMul": "packed"}              # gate|up: this rank's columns of each
 
 
 def shard_layout(kind: str, role: str) -> str | None:
@@ -118,3 +121,37 @@ def _float(data: np.ndarray, dtype: str) -> np.ndarray:
 
     arr = bf16_bits_to_float32(data) if dtype == "bfloat16" else data
     return np.asarray(arr, dtype=np.float64).ravel()
+
+
+def merge_weight_tables(tables: dict[int, dict | None], tp: int) -> dict:
+    """One meta "weights" (accucheck.capture.stats.weight_table) from every rank's
+    (accucheck.capture.vllm_plugin.vllm_weight_table): a replicated weight from the lowest
+    rank; a column- / row-split one with its checksums (exact bit-pattern sums mod 2**52)
+    added across the ranks and its rows / columns joined; a vocabulary-parallel one (padded
+    rows) only at TP 1. Entries keep "source" (where a fused weight's part comes from)."""
+    ranks = sorted(r for r, t in tables.items() if t)
+    if not ranks or (tp > 1 and len(ranks) != tp):
+        return {}
+    out: dict[str, dict] = {}
+    for name, e0 in tables[ranks[0]].items():
+        par = e0.get("parallel", "replicated")
+        entry = {k: v for k, v in e0.items() if k != "parallel"}
+        if tp == 1 or par == "replicated":
+            out[name] = entry
+            continue
+        parts = [tables[r].get(name) for r in ranks]
+        dim = 0 if par in ("column", "vocab") else 1
+        if par == "vocab" or any(p is None for p in parts) or len(e0["shape"]) <= dim:
+            if len(e0["shape"]) <= dim and par == "row":  # a row-parallel bias: replicated
+                out[name] = entry
+            continue
+        shape = list(e0["shape"])
+        shape[dim] = sum(int(p["shape"][dim]) for p in parts)
+        entry.update(shape=shape, checksum=sum(int(p["checksum"]) for p in parts) % 2 ** 52)
+        if "cast" in e0:
+            entry["cast"] = {k: sum(int(p["cast"][k]) for p in parts) % 2 ** 52
+                             for k in e0["cast"]}
+        if "source" in e0:
+            entry["source"] = f"{e0['source']} of each of {tp} ranks"
+        out[name] = entry
+    return out

@@ -530,19 +530,28 @@ def weight_table(model: torch.nn.Module) -> dict:
     (null past the end and for NaN / Inf)}. A few statistics passes per weight, once per
     capture. accucheck.compare.weights compares two tables by name: a candidate that runs other
     weights than the reference is said so by `diff`."""
+    return weight_entries((*model.named_parameters(), *model.named_buffers()))
+
+
+def weight_entries(named, samples: bool = True) -> dict:
+    """`weight_table` of (name, tensor) pairs (a vLLM worker's parts of its fused weights under
+    transformers' names, accucheck.capture.vllm_plugin); `samples` False: "sample" left out
+    (a tensor-parallel rank's part samples other positions than the whole weight)."""
     eng = StepStats()
     out: dict[str, dict] = {}
     with torch.no_grad():
-        for name, t in (*model.named_parameters(), *model.named_buffers()):
-            if t.numel() == 0:
+        for name, t in named:
+            if t.numel() == 0 or name in out:
                 continue
-            raw = eng.now(t)
+            raw = eng.now(t.contiguous())
             sample = raw[8::SAMPLE_SIZE // WEIGHT_SAMPLES][:WEIGHT_SAMPLES]
             entry = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-                     "checksum": int(raw[7]),
-                     "sample": [float(v) if np.isfinite(v) else None for v in sample]}
+                     "checksum": int(raw[7])}
+            if samples:
+                entry["sample"] = [float(v) if np.isfinite(v) else None for v in sample]
             if t.is_floating_point():
-                entry["cast"] = {k: int(raw[7]) if t.dtype == dt else int(eng.now(t.to(dt))[7])
+                entry["cast"] = {k: int(raw[7]) if t.dtype == dt else
+                                 int(eng.now(t.contiguous().to(dt))[7])
                                  for k, dt in _CASTS.items()}
             out[name] = entry
     return out

@@ -132,8 +132,17 @@ def register() -> None:
 
 
 def install() -> None:
-    """Wrap `load_model` of every importable model runner class (idempotent)."""
+    """Wrap `load_model` of every importable model runner class, and vLLM's CPU weight packing
+    (see `_stash_before_packing`) (idempotent)."""
     import importlib
+
+    try:
+        lu = importlib.import_module("vllm.model_executor.layers.utils")
+        fn = getattr(lu, "dispatch_cpu_unquantized_gemm", None)
+        if fn is not None and not hasattr(fn, "__wrapped__"):
+            lu.dispatch_cpu_unquantized_gemm = _stash_before_packing(fn)
+    except ImportError:
+        pass
 
     for mod_name, cls_name in _RUNNER_CLASSES:
         try:
@@ -218,6 +227,21 @@ class Collector:
             target, factor = self._fault["scale"]
             by_name[target].register_forward_hook(
                 lambda _m, _a, o: (o[0] * factor, *o[1:]) if isinstance(o, tuple) else o * factor)
+        if self._fault.get("scale_part"):  # columns [a, b) of a fused output (k of q|k|v)
+            target, a, b, factor = self._fault["scale_part"]
+
+            def part(_m, _a, o, a=int(a), b=int(b), f=float(factor)):
+                x = o[0] if isinstance(o, tuple) else o
+                x = x.clone()
+                x[..., a:b] *= f
+                return (x, *o[1:]) if isinstance(o, tuple) else x
+            by_name[target].register_forward_hook(part)
+        swapped = by_name.get(self._fault.get("swap_kv") or "")
+        if swapped is not None and getattr(swapped, "weight", None) is not None \
+                and swapped.weight.numel():  # a weight-layout bug (unless swapped at packing)
+            swap_kv_rows(swapped)
+        # the weights, under transformers' names (fused ones cut): sent once, with the records
+        self.weights: dict | None = vllm_weight_table(self.model, self.tp_size)
         # MoE: (experts path, gate path) of every fused MoE layer whose router is selected
         self.routers = moe_routers(self.model, set(self.modules))
         if cfg.graph:
@@ -421,28 +445,28 @@ class Collector:
     def drain(self) -> dict:
         out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
                "modules": self.modules, "records": [r.to_wire() for r in self.records],
+               "weights": self.weights,
                "errors": self.errors,
                "schedule": self.schedule, "skipped": self.skipped,
                "model_class": type(self.model).__name__, "kinds": self.kinds,
                "buffers": [f"{n}:{r}.{s}" for n, r, s, _m, _a in self.buffers]}
         self.records, self.errors, self.schedule = [], [], []
+        self.weights = None  # sent once
         self._order.clear()
         return out
 
 
-# Left out of the default selection under vLLM (still recordable with --include): column-
-# parallel outputs and the inner attention hold one shard per rank under tensor parallel (the
-# default modules' outputs are replicated: they compare with any TP size); fused activations (SiluAndMul) compute
-# act(gate) * up under the path where transformers' act_fn computes act(gate), so one key would
-# name two different tensors.
-_VLLM_DEFAULT_SKIP = ("ColumnParallelLinear", "QKVParallelLinear", "MergedColumnParallelLinear",
-                      "AndMul")
-_VLLM_DEFAULT_SKIP_EXACT = ("Attention",)
+# Left out of the default selection under vLLM (still recordable with --include): a plain
+# column-parallel layer has no transformers counterpart the diff can map. The fused layers
+# (qkv_proj, gate_up_proj), the attention core (attn) and the fused activation (act_fn:
+# act(gate) * up) are recorded: the diff shows them as transformers' leaves
+# (accucheck.compare.mapping), their tensor-parallel shards joined.
+_VLLM_DEFAULT_SKIP_EXACT = ("ColumnParallelLinear",)
 
 
 def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
-    """The recorder's default selection minus what has no transformers counterpart under the
-    same path or is sharded across ranks (see above), and minus modules shared by several
+    """The recorder's default selection minus a plain column-parallel layer (no transformers
+    counterpart the diff maps, see above), and minus modules shared by several
     layers (vLLM's cached rotary embedding sits in every layer's self_attn: one path for many
     call sites, and graph buffers would keep only the last call)."""
     layers: dict[int, set[int]] = {}
@@ -454,7 +478,7 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
     out = []
     for n in names:
         kind = type(by_name[n]).__name__
-        if kind.endswith(_VLLM_DEFAULT_SKIP) or kind in _VLLM_DEFAULT_SKIP_EXACT \
+        if kind in _VLLM_DEFAULT_SKIP_EXACT \
                 or len(layers.get(id(by_name[n]), ())) > 1:
             continue
         out.append(n)
@@ -475,6 +499,112 @@ def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
             else host
         out.append((finish_stats(row, t.numel(), vals), int(row[7])))
     return out
+
+
+def _fused_parts(mod: torch.nn.Module) -> list[tuple[str, int]] | None:
+    """This rank's rows of a fused layer's weight, in order: [(transformers leaf, rows)]."""
+    kind = type(mod).__name__
+    if kind.endswith("QKVParallelLinear"):
+        q = int(mod.num_heads) * int(mod.head_size)
+        kv = int(mod.num_kv_heads) * int(mod.head_size)
+        return [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+    if kind.endswith("MergedColumnParallelLinear") and len(getattr(mod, "output_sizes", ())) == 2:
+        tp = max(int(getattr(mod, "tp_size", 1) or 1), 1)
+        return [("gate_proj", int(mod.output_sizes[0]) // tp),
+                ("up_proj", int(mod.output_sizes[1]) // tp)]
+    return None
+
+
+def _parallel(mod: torch.nn.Module) -> str:
+    """How tensor parallel splits `mod`'s weight: "column" (rows), "row" (columns), "vocab"
+    (rows, padded), "replicated"."""
+    kinds = [c.__name__ for c in type(mod).__mro__]
+    if any(k in ("VocabParallelEmbedding", "ParallelLMHead") for k in kinds):
+        return "vocab"
+    if "RowParallelLinear" in kinds:
+        return "row"
+    if "ColumnParallelLinear" in kinds:
+        return "column"
+    return "replicated"
+
+
+def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, dict]]:
+    """`mod`'s own parameters under transformers' names, with what the table says of each: a
+    fused weight (qkv_proj, gate_up_proj) cut into its q / k / v (gate / up) rows with their
+    "source" ("qkv_proj rows 576-767"), and how the ranks split it ("parallel")."""
+    out = []
+    leaf = path.rsplit(".", 1)[-1]
+    for pname, t in mod.named_parameters(recurse=False):
+        full = f"{path}.{pname}" if path else pname
+        parts = _fused_parts(mod) if pname in ("weight", "bias") and t.numel() else None
+        if parts is None or sum(n for _, n in parts) != t.shape[0]:
+            out.append((full, t, {"parallel": _parallel(mod)}))
+            continue
+        start = 0
+        for name, rows in parts:
+            out.append((f"{path[: len(path) - len(leaf)]}{name}.{pname}", t[start:start + rows],
+                        {"parallel": "column",
+                         "source": f"{leaf} rows {start}-{start + rows - 1}"}))
+            start += rows
+    return out
+
+
+def _table(items: list[tuple[str, torch.Tensor, dict]], tp: int) -> dict:
+    from accucheck.capture.stats import weight_entries
+
+    table = weight_entries([(n, t) for n, t, _ in items], samples=tp == 1)
+    extra = {n: e for n, _, e in items}
+    return {k: {**v, **extra[k]} for k, v in table.items()}
+
+
+def vllm_weight_table(model: torch.nn.Module, tp: int) -> dict:
+    """This rank's meta "weights" entries (accucheck.capture.stats.weight_table) under
+    transformers' names (`layer_weights`). A layer whose weight vLLM's CPU backend packed and
+    removed at load (oneDNN) was tabled just before (`_stash_before_packing`). The front end
+    joins the ranks (accucheck.capture.ranks.merge_weight_tables)."""
+    out: dict = {}
+    items = []
+    for path, mod in model.named_modules():
+        stashed = getattr(mod, "_accucheck_weights", None)
+        if stashed is not None:
+            out.update(stashed)
+        else:
+            items += layer_weights(path, mod)
+    out.update({k: v for k, v in _table(items, tp).items() if k not in out})
+    return out
+
+
+def _stash_before_packing(dispatch):
+    """vLLM's CPU backend packs a Linear's weight for oneDNN at load and removes it from the
+    module (layers.utils.dispatch_cpu_unquantized_gemm, remove_weight=True): table it first
+    (with a planted layout fault of accucheck's own tests applied before, so the packed
+    weight computes with it too)."""
+    def stash(layer, remove_weight, *args, **kwargs):
+        if remove_weight and getattr(layer, "weight", None) is not None \
+                and layer.weight.ndim == 2 and not layer.weight.is_meta:
+            cfg = PluginConfig.from_env()
+            fault = (cfg.test_fault or {}) if cfg is not None else {}
+            prefix = getattr(layer, "prefix", "") or ""
+            if fault.get("swap_kv") == prefix and int(fault.get("rank", -1)) == \
+                    _tp_rank_size()[0]:
+                swap_kv_rows(layer)
+            layer._accucheck_weights = _table(layer_weights(prefix, layer),
+                                              int(getattr(layer, "tp_size", 1) or 1))
+        return dispatch(layer, remove_weight, *args, **kwargs)
+    stash.__wrapped__ = dispatch
+    return stash
+
+
+def swap_kv_rows(mod: torch.nn.Module) -> None:
+    """accucheck's own tests: the k and v row blocks of a QKVParallelLinear weight swapped (a
+    weight-layout bug of a checkpoint conversion)."""
+    parts = dict(_fused_parts(mod) or ())
+    q, kv = parts["q_proj"], parts["k_proj"]
+    with torch.no_grad():
+        w = mod.weight
+        k = w[q:q + kv].clone()
+        w[q:q + kv] = w[q + kv:q + 2 * kv]
+        w[q + kv:q + 2 * kv] = k
 
 
 def moe_routers(model: torch.nn.Module, selected: set[str]) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tok
                                    interruptible, left_behind, tokenize_prompts)
 from accucheck.coverage import coverage, coverage_line
 from accucheck.capture.graph import ObserverCheck
-from accucheck.capture.ranks import Merged, merge_ranks
+from accucheck.capture.ranks import Merged, merge_ranks, merge_weight_tables
 from accucheck.capture.hf import config_hash, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -162,7 +162,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
-                         environment, _info(infos), kwargs)
+                         environment, _info(infos), kwargs,
+                         merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
+                                             tp))
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
@@ -445,7 +447,7 @@ def _shutdown(llm) -> None:
 
 
 def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,
-          info: dict, kwargs: dict) -> dict:
+          info: dict, kwargs: dict, weights: dict) -> dict:
     modules = list(info["modules"])
     return {
         "tool": "accucheck", "tool_version": accucheck.__version__,
@@ -460,6 +462,8 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
                   "vllm_class": info.get("model_class"), "causal_lm": True,
                   "config_hash": config_hash(_ConfigOnly(hf_config)), "weight_hash": None,
                   "config": json.loads(json.dumps(hf_config.to_dict(), default=str))},
+        # per weight, under transformers' names (fused ones cut, ranks joined): compare.weights
+        "weights": weights,
         "modules": modules,
         "logits": {"kind": "raw", "source": "vLLM raw logits (logprobs_mode raw_logits: before "
                                              "any logits processor or sampling transform)"},

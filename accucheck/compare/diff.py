@@ -48,6 +48,7 @@ from accucheck.keys import RecordKey, split_rank
 from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics,
                                        is_float_dtype, kl_div, logit_noise, top2_margin,
                                        topk_overlap)
+from accucheck.compare.mapping import MappedCapture, mapping_table, maybe_mapped
 from accucheck.compare.opmatch import OpAlignment, align_captures
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
@@ -276,6 +277,8 @@ class DiffResult:
     compute_dtypes: tuple[str | None, str | None] = (None, None)  # the runs' meta dtypes
     control_paths: tuple[str, ...] = ()      # control runs (--control), in order
     routing: RoutingResult | None = None     # MoE routing (compare.routing); None: no router
+    mapping: dict | None = None              # vLLM fused records shown as transformers'
+                                             # (compare.mapping): sides and table; None: none
 
     @property
     def precision_findings(self) -> tuple[RecordDiff, ...]:
@@ -356,18 +359,41 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
         return r
 
     try:
-        R, C, G = _open(ref), _open(cand), _open(golden)
+        # vLLM's fused records shown as transformers' leaves (compare.mapping)
+        R, C, G = (maybe_mapped(x) if x is not None else None
+                   for x in (_open(ref), _open(cand), _open(golden)))
         check_same_model(R, C, G, allow_model_mismatch=allow_model_mismatch)
-        T = [_open(x) for x in controls]
+        T = [maybe_mapped(_open(x)) for x in controls]
         notes = [n for t in T for n in check_control(
             R, t, C, allow_model_mismatch=allow_model_mismatch)]
         result = _Differ(R, C, G, tol, steps, include, max_elems, progress,
                          tuple(transforms)).run()
+        result = with_mapping(result, R, C)
         return with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
                                               None).run() for t in T], notes)
     finally:
         for r in opened:
             r.close()
+
+
+def with_mapping(d: DiffResult, R, C) -> DiffResult:
+    """`d` with the vLLM mapping used (compare.mapping), said once in the notes and kept for
+    the JSON; `d` itself when neither side is a mapped vLLM capture."""
+    sides = {name: x for name, x in (("ref", R), ("cand", C)) if isinstance(x, MappedCapture)}
+    if not sides:
+        return d
+    config = ((next(iter(sides.values())).meta.get("model") or {}).get("config")) or {}
+    used = {name: {"mapped": len(x.mapped), "statistics_only": x.unmapped}
+            for name, x in sides.items()}
+    notes = [f"vLLM's fused records shown as transformers' ({', '.join(sides)}): qkv_proj -> "
+             f"q/k/v_proj, gate_up_proj -> gate/up_proj, attn -> o_proj in, act_fn -> "
+             f"down_proj in, the fused add+norm's residual -> post_attention_layernorm in; "
+             + "; ".join(f"{n}: {u['mapped']} mapped" + (f", {u['statistics_only']} left "
+                                                          f"(statistics only: --store full)"
+                                                          if u["statistics_only"] else "")
+                         for n, u in used.items())]
+    return replace(d, notes=d.notes + tuple(notes),
+                   mapping={"sides": used, "table": mapping_table(config)})
 
 
 def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str] = ()

@@ -15,8 +15,9 @@ positions. Two captures' weights of the same name differ when
   place of the coarser dtype (a cast of a cast rounds by at most that); only the 8 sampled
   positions are seen.
 
-Weights on one side only (another runner names them otherwise: vLLM's fused qkv_proj) are not
-compared. The diff reports what differs in one note; the verdict is left to the records.
+vLLM captures name their weights as transformers does: a fused weight (qkv_proj, gate_up_proj)
+is recorded as its q / k / v (gate / up) rows, with its "source" ("qkv_proj rows 576-767"),
+which the note names. Weights on one side only are not compared. The diff reports what differs in one note; the verdict is left to the records.
 """
 from __future__ import annotations
 
@@ -72,13 +73,24 @@ def _differs(a: dict, b: dict) -> str:
     return ""
 
 
+def _sources(meta: dict) -> dict[str, str]:
+    """Where a weight of a vLLM capture comes from, when it is a part of a fused one
+    ("qkv_proj rows 576-767", accucheck.capture.vllm_plugin)."""
+    w = meta.get("weights")
+    return {k: v["source"] for k, v in w.items()
+            if isinstance(v, dict) and isinstance(v.get("source"), str)} \
+        if isinstance(w, dict) else {}
+
+
 def weight_notes(ref_meta: dict, cand_meta: dict, limit: int = 3) -> list[str]:
     """One note (or none) for DiffResult.notes: which weights of the candidate are not the
     reference's."""
     diffs = weight_differences(ref_meta, cand_meta)
     if not diffs:
         return []
-    shown = "; ".join(f"{name} ({why})" for name, why in diffs[:limit])
+    src = {**_sources(ref_meta), **_sources(cand_meta)}
+    shown = "; ".join(f"{name} ({'vLLM ' + src[name] + ': ' if name in src else ''}{why})"
+                      for name, why in diffs[:limit])
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
     return [f"WEIGHTS DIFFER: {len(diffs)} weight(s) of the candidate are not the reference's at "
             f"the same name: {shown}{more}. The runs do not compute with the same model: "

@@ -312,6 +312,7 @@ def to_json(a: Analysis) -> dict:
         "culprit": a.culprit.as_dict() if a.culprit is not None else None,
         "control": control_json(L.noise),
         "routing": routing_json(d.routing),
+        "mapping": d.mapping,
         "ops": ({"matches": [m.__dict__ for m in d.ops.matches],
                  "one_sided": [o.__dict__ for o in d.ops.one_sided]}
                 if d.ops is not None else None),
