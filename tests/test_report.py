@@ -16,7 +16,7 @@ from accucheck.verdict.locate import analyze
 from accucheck.report.diff import CSV_COLUMNS, render, to_json, verdict_line
 from test_diff import base, write
 
-JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref", "cand", "routing",
+JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref", "cand", "routing", "mapping",
             "golden_path", "basis", "notes", "tolerances", "amplification", "counts",
             "compared_steps", "first_divergence", "top", "records", "missing", "layers",
             "logits", "golden", "culprit", "ops", "diffuse", "first_over", "worst",
