@@ -53,3 +53,14 @@ def smollm2():
     model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True,
                                                  attn_implementation="eager").eval()
     return model, AutoTokenizer.from_pretrained(d, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_in_process():
+    """vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) for a test
+    module's engines (`pytestmark = pytest.mark.usefixtures("vllm_in_process")`): faster to
+    start; tests/test_vllm_tp.py shows it records the same as vLLM's default process model."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    yield
+    mp.undo()

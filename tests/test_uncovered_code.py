@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from accucheck.report.diff import render, to_json, verdict_line
-from test_verdicts import H, Run
+from test_verdicts import Run
 
 
 class SameRun(Run):

@@ -186,8 +186,7 @@ def test_every_diff_result_type_is_frozen():
              and v.__module__ == d.__name__]
     assert {"StatsDelta", "GoldenLabel", "RecordDiff", "MissingKey", "LogitsPosition",
             "LogitsStep", "TokenFlip", "DiffResult"} <= {t.__name__ for t in types}
-    # ShardGroup: diff's own working list of one site's shard parts, never returned
-    assert [t.__name__ for t in types if not t.__dataclass_params__.frozen] == ["ShardGroup"]
+    assert [t.__name__ for t in types if not t.__dataclass_params__.frozen] == []
     step = d.LogitsStep(RecordKey.parse("r0.s0:logits#0:out.0"), ())
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.positions = ()

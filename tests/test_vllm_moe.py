@@ -22,11 +22,8 @@ GATES = [f"model.layers.{i}.mlp.gate" for i in range(4)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _in_process_engine():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    yield
-    mp.undo()
+def _in_process_engine(vllm_in_process):
+    """Every engine of this module in-process (conftest.vllm_in_process)."""
 
 
 @pytest.fixture(scope="module")

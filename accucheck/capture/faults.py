@@ -234,6 +234,15 @@ def _planted_router(mod: nn.Module, name: str, fault: str, seed: int) -> Iterato
                 return perturb(out)
             return out
 
+    with _inside(mod, state, _Logits()):
+        yield
+
+
+@contextmanager
+def _inside(mod: nn.Module, state: dict, mode) -> Iterator[None]:
+    """While active, `mode` (a torch function / dispatch mode) is on and state["depth"] counts
+    the open forwards of `mod` (hooks: they travel with a converted copy of the model);
+    state["done"] is reset at each forward."""
     def enter(_m, _a):
         state["depth"] += 1
         state["done"] = False
@@ -244,7 +253,7 @@ def _planted_router(mod: nn.Module, name: str, fault: str, seed: int) -> Iterato
     handles = [mod.register_forward_pre_hook(enter, prepend=True),
                mod.register_forward_hook(leave, always_call=True)]
     try:
-        with _Logits():
+        with mode:
             yield
     finally:
         for h in handles:
@@ -320,7 +329,7 @@ def _planted_op(mod: nn.Module, fault: str) -> Iterator[None]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     op, fn = _op_fault(fault)
-    depth = [0]
+    state = {"depth": 0, "done": False}
 
     wanted = set(op.split("|"))
 
@@ -331,24 +340,12 @@ def _planted_op(mod: nn.Module, fault: str) -> Iterator[None]:
     class _FaultMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if depth[0] and matches(func):
+            if state["depth"] and matches(func):
                 return fn(func, args, kwargs)
             return func(*args, **kwargs)
 
-    def enter(_m, _a):
-        depth[0] += 1
-
-    def leave(_m, _a, _o):
-        depth[0] -= 1
-
-    handles = [mod.register_forward_pre_hook(enter, prepend=True),
-               mod.register_forward_hook(leave, always_call=True)]
-    try:
-        with _FaultMode():
-            yield
-    finally:
-        for h in handles:
-            h.remove()
+    with _inside(mod, state, _FaultMode()):
+        yield
 
 
 # ----------------------------------------------------------------------------- dither

@@ -63,9 +63,9 @@ class Transform:
 
 def parse_transform(text: str) -> Transform:
     """"[ref:|cand:]PATTERN=STEP[+STEP...]" -> Transform (UserError, exit 2, when malformed)."""
-    how = (f"use [ref:|cand:]PATTERN=STEP[+STEP...], STEP one of dequant:KEY, permute:A,B,..., "
-           f"reshape:A,B,..., rotate:KEY (e.g. 'cand:*.o_proj#0:out.0=dequant:*o_proj#0:"
-           f"out.scale')")
+    how = ("use [ref:|cand:]PATTERN=STEP[+STEP...], STEP one of dequant:KEY, permute:A,B,..., "
+           "reshape:A,B,..., rotate:KEY (e.g. 'cand:*.o_proj#0:out.0=dequant:*o_proj#0:"
+           "out.scale')")
     side, body = "cand", text
     for s in SIDES:
         if text.startswith(s + ":"):
