@@ -290,32 +290,48 @@ def apply_routing(records: list, R: CaptureReader, C: CaptureReader,
                   ) -> tuple[list, RoutingResult | None]:
     """The routing of every router call both sides recorded, and `records` (compare.diff
     RecordDiff, execution order) with the routing consequences applied (module docstring):
-    `routing` set to "ids" / "masked" / "after-flip", masked records re-measured on the
-    tokens routed alike (`rows_excluded` says how many were left out). `tolerance(ref_row,
-    cand_row)` is the diff's tolerance for a record. None when no router call is found."""
+    `routing` set to "ids" / "masked" / "after-flip" / "reordered", masked records re-measured
+    on the tokens routed alike (`rows_excluded` says how many were left out).
+    `tolerance(ref_row, cand_row)` is the diff's tolerance for a record. None when no router
+    call is found."""
     found = _router_rows(R, C)
     if not found:
         return records, None
-    present = {r.key.module for r in R.rows}
-    by_key = {str(r.key): i for i, r in enumerate(records)}
-    recs = list(records)
-    calls: list[RouterCall] = []
-    first: dict[int, tuple[int, int]] = {}   # req -> (step, order) of its first flip
-    masked: set[str] = set()
-    blame: dict[tuple[str, int], list] = {}
+    state = _Routing(records, R, C, tolerance)
     for lg, w, ids in found:
-        k = ids.key
-        if str(k) not in by_key:
-            continue
-        follows = k.req in first
-        cw = C.row(w.key)
-        if not (ids.has_data and C.row(ids.key).has_data):
-            continue  # an import without values: nothing to judge routing by
+        if str(ids.key) in state.by_key and ids.has_data and C.row(ids.key).has_data:
+            state.call(lg, w, ids)  # (an import without values: nothing to judge routing by)
+    return state.finish(), RoutingResult(tuple(state.calls), tuple(_blame(state.blame)),
+                                         C.meta.get("routing_forced") or None)
+
+
+class _Routing:
+    """apply_routing's work, router call by router call, in execution order."""
+
+    def __init__(self, records: list, R: CaptureReader, C: CaptureReader, tolerance):
+        self.R, self.C, self.tolerance = R, C, tolerance
+        self.recs = list(records)
+        self.by_key = {str(r.key): i for i, r in enumerate(records)}
+        self.present = {r.key.module for r in R.rows}
+        # records by (req, step, enclosing module): what sits inside a fused experts module
+        self.inside: dict[tuple[int, int, str], list[int]] = {}
+        for i, r in enumerate(records):
+            parts = r.key.module.split(".")
+            for n in range(1, len(parts)):
+                self.inside.setdefault((r.key.req, r.key.step, ".".join(parts[:n])), []).append(i)
+        self.calls: list[RouterCall] = []
+        self.first: dict[int, tuple[int, int]] = {}   # req -> (step, order) of its first flip
+        self.masked: set[str] = set()
+        self.blame: dict[tuple[str, int], list] = {}
+
+    def call(self, lg: IndexRow, w: IndexRow, ids: IndexRow) -> None:
+        R, C, k = self.R, self.C, ids.key
+        follows = k.req in self.first
         top = ids.shape[-1]
         ids_r, ids_c = R.read(ids.key).reshape(-1, top), C.read(ids.key).reshape(-1, top)
-        n = ids_r.shape[0]
         if ids_c.shape != ids_r.shape:
-            continue
+            return
+        n = ids_r.shape[0]
         sr, sc = np.sort(ids_r, axis=1), np.sort(ids_c, axis=1)
         flipped = np.flatnonzero((sr != sc).any(axis=1))
         keep = np.ones(n, dtype=bool)
@@ -327,74 +343,94 @@ def apply_routing(records: list, R: CaptureReader, C: CaptureReader,
         lg_c = C.read(lg.key).reshape(n, experts_n) if lg_r is not None else None
         flips = tuple(_flip(k, ids.order, int(t), ids_r, ids_c, lg_r, lg_c, follows)
                       for t in flipped)
-        # the weights, aligned by expert id, on the tokens routed alike
-        differ, wmax = 0, 0.0
-        i = by_key.get(str(w.key))
-        if w.has_data and cw.has_data and i is not None and recs[i].basis == "tensor" \
-                and not follows:  # after a flip: the final loop marks it after-flip
-            wr = np.take_along_axis(R.read(w.key).reshape(n, top), np.argsort(ids_r, 1), 1)
-            wc = np.take_along_axis(C.read(w.key).reshape(n, top), np.argsort(ids_c, 1), 1)
-            tol = tolerance(w, cw)
-            num = np.linalg.norm((wc - wr).astype(np.float64)[keep], axis=1)
-            den = np.maximum(np.linalg.norm(wr.astype(np.float64)[keep], axis=1), 1e-300)
-            per = num / den
-            differ, wmax = int((per > tol.rel_l2).sum()), float(per.max(initial=0.0))
-            if keep.any():  # aligned by expert id even without a flip (top-k order may differ)
-                recs[i] = replace(recs[i], routing=MASKED if len(flipped) else None,
-                                  rows_excluded=int(len(flipped)),
-                                  metrics=metrics_on(wr[keep], wc[keep], w.dtype, cw.dtype, tol,
-                                                     _rms(wr[keep])))
-                masked.add(str(w.key))
-            else:  # every token went elsewhere: nothing alike to compare
-                recs[i] = replace(recs[i], routing=AFTER_FLIP, rows_excluded=n)
-        j = by_key[str(k)]
-        if recs[j].basis == "tensor":  # the expert sets (sorted ids) of the tokens routed alike
-            recs[j] = replace(recs[j], routing=IDS, rows_excluded=int(len(flipped)),
-                              metrics=metrics_on(sr[keep], sc[keep], ids.dtype, ids.dtype,
-                                                 tolerance(ids, C.row(ids.key)), None)
-                              if keep.any() else recs[j].metrics)
-        experts, block = _experts_module(k.module, R.meta, present)
-        if experts is not None and not follows and not np.array_equal(ids_r, ids_c):
-            # inside the experts module rows go expert by expert in an order that follows the
-            # top-k order, which differs (even for the same sets): not comparable row by row
-            inner = f"r{k.req}.s{k.step}:{experts}."
-            for j, r in enumerate(recs):
-                if str(r.key).startswith(inner) and r.routing is None:
-                    recs[j] = replace(r, routing=REORDERED)
-                    masked.add(str(r.key))
-        for mod in (experts, block):
-            if mod is None:
-                continue
-            key = f"r{k.req}.s{k.step}:{mod}#{k.call}:out.0"
-            j = by_key.get(key)
-            if j is None or recs[j].basis != "tensor" or follows:
-                continue
-            a, b = R.read(key), C.read(key)
-            ar, br = _rows(a, n), _rows(b, n)
-            if ar is None or br is None or ar.shape != br.shape:
-                continue
-            if mod == experts and keep.any():
-                blame.setdefault((mod, k.call), []).append((ar[keep], br[keep], sr[keep]))
-            if len(flipped) and not keep.any():
-                recs[j] = replace(recs[j], routing=AFTER_FLIP, rows_excluded=n)
-                masked.add(key)
-            elif len(flipped):
-                tol = tolerance(R.row(key), C.row(key))
-                recs[j] = replace(recs[j], routing=MASKED, rows_excluded=int(len(flipped)),
-                                  metrics=metrics_on(ar[keep], br[keep], recs[j].ref_dtype,
-                                                     recs[j].cand_dtype, tol, _rms(ar[keep])))
-                masked.add(key)
-        calls.append(RouterCall(k, ids.order, n, top, experts_n, tuple(int(t) for t in flipped),
-                                differ, wmax, flips, follows))
+        differ, wmax = (0, 0.0) if follows else self._weights(w, ids_r, ids_c, keep, flipped)
+        j = self.by_key[str(k)]
+        if self.recs[j].basis == "tensor":  # the expert sets of the tokens routed alike
+            self.recs[j] = replace(
+                self.recs[j], routing=IDS, rows_excluded=int(len(flipped)),
+                metrics=metrics_on(sr[keep], sc[keep], ids.dtype, ids.dtype,
+                                   self.tolerance(ids, C.row(ids.key)), None)
+                if keep.any() else self.recs[j].metrics)
+        experts, block = _experts_module(k.module, R.meta, self.present)
+        if not follows:  # after a flip: finish() marks them after-flip
+            if experts is not None and not np.array_equal(ids_r, ids_c):
+                self._reordered(k, experts)
+            for mod in (experts, block):
+                if mod is not None:
+                    self._block(k, mod, mod == experts, n, keep, flipped, sr)
+        self.calls.append(RouterCall(k, ids.order, n, top, experts_n,
+                                     tuple(int(t) for t in flipped), differ, wmax, flips,
+                                     follows))
         if len(flipped) and not follows:
-            first[k.req] = (k.step, ids.order)
-    for i, r in enumerate(recs):
-        f = first.get(r.key.req)
-        if f is not None and (r.key.step, r.order) > f and str(r.key) not in masked \
-                and r.routing != IDS:
-            recs[i] = replace(r, routing=AFTER_FLIP)
-    return recs, RoutingResult(tuple(calls), tuple(_blame(blame)),
-                               C.meta.get("routing_forced") or None)
+            self.first[k.req] = (k.step, ids.order)
+
+    def _weights(self, w: IndexRow, ids_r, ids_c, keep, flipped) -> tuple[int, float]:
+        """The weights record compared aligned by expert id (top-k order may differ for the
+        same set) on the tokens routed alike; (tokens whose weights differ beyond tolerance,
+        the largest per-token rel L2)."""
+        i, cw = self.by_key.get(str(w.key)), self.C.row(w.key)
+        if not (w.has_data and cw.has_data and i is not None
+                and self.recs[i].basis == "tensor"):
+            return 0, 0.0
+        n, top = ids_r.shape
+        wr = np.take_along_axis(self.R.read(w.key).reshape(n, top), np.argsort(ids_r, 1), 1)
+        wc = np.take_along_axis(self.C.read(w.key).reshape(n, top), np.argsort(ids_c, 1), 1)
+        tol = self.tolerance(w, cw)
+        num = np.linalg.norm((wc - wr).astype(np.float64)[keep], axis=1)
+        den = np.maximum(np.linalg.norm(wr.astype(np.float64)[keep], axis=1), 1e-300)
+        per = num / den
+        if keep.any():
+            self.recs[i] = replace(self.recs[i], routing=MASKED if len(flipped) else None,
+                                   rows_excluded=int(len(flipped)),
+                                   metrics=metrics_on(wr[keep], wc[keep], w.dtype, cw.dtype,
+                                                      tol, _rms(wr[keep])))
+            self.masked.add(str(w.key))
+        else:  # every token went elsewhere: nothing alike to compare
+            self.recs[i] = replace(self.recs[i], routing=AFTER_FLIP, rows_excluded=n)
+        return int((per > tol.rel_l2).sum()), float(per.max(initial=0.0))
+
+    def _reordered(self, k: RecordKey, experts: str) -> None:
+        """Inside the experts module rows go expert by expert in an order that follows the
+        top-k order, which differs (even for the same sets): not comparable row by row."""
+        for j in self.inside.get((k.req, k.step, experts), ()):
+            r = self.recs[j]
+            if r.routing is None:
+                self.recs[j] = replace(r, routing=REORDERED)
+                self.masked.add(str(r.key))
+
+    def _block(self, k: RecordKey, mod: str, is_experts: bool, n: int, keep, flipped, sr
+               ) -> None:
+        """The experts' / the MoE block's output of this call: its rows are tokens; compared on
+        the tokens routed alike, and (the experts') kept for the expert blame."""
+        key = f"r{k.req}.s{k.step}:{mod}#{k.call}:out.0"
+        j = self.by_key.get(key)
+        if j is None or self.recs[j].basis != "tensor":
+            return
+        ar, br = _rows(self.R.read(key), n), _rows(self.C.read(key), n)
+        if ar is None or br is None or ar.shape != br.shape:
+            return
+        if is_experts and keep.any():
+            self.blame.setdefault((mod, k.call), []).append((ar[keep], br[keep], sr[keep]))
+        if len(flipped) and not keep.any():
+            self.recs[j] = replace(self.recs[j], routing=AFTER_FLIP, rows_excluded=n)
+            self.masked.add(key)
+        elif len(flipped):
+            r = self.recs[j]
+            tol = self.tolerance(self.R.row(key), self.C.row(key))
+            self.recs[j] = replace(r, routing=MASKED, rows_excluded=int(len(flipped)),
+                                   metrics=metrics_on(ar[keep], br[keep], r.ref_dtype,
+                                                      r.cand_dtype, tol, _rms(ar[keep])))
+            self.masked.add(key)
+
+    def finish(self) -> list:
+        """Every record after its request's first flip (later layers, later steps) that is
+        not already judged otherwise: after-flip."""
+        for i, r in enumerate(self.recs):
+            f = self.first.get(r.key.req)
+            if f is not None and (r.key.step, r.order) > f and str(r.key) not in self.masked \
+                    and r.routing != IDS:
+                self.recs[i] = replace(r, routing=AFTER_FLIP)
+        return self.recs
 
 
 def _blame(parts: dict[tuple[str, int], list]) -> list[ExpertBlame]:
