@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -139,7 +140,10 @@ class Judge:
             c = a.culprit
             j = {"culprit": c.module if c is not None else None, "exit": a.exit_code}
             if ctl:
-                j["flagged"] = [s.site for s in a.location.noise.flagged]
+                noise = a.location.noise
+                j["flagged"] = [s.site for s in noise.flagged]
+                # margins: every site's excess over its threshold (> 1 is more than noise)
+                j["margin"] = {s.site: s.excess / s.threshold for s in noise.sites}
             else:
                 j["suspicious"] = [str(s.key) for s in a.location.suspicious]
             out["none" if not ctl else f"ctl{k}"] = j
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
                                         planted=planted)
                     got = site_rel_l2(runs.ref(p), cand, site) / noise
                     row = {"kind": kind, "layer": layer, "s": s, "D": d, "trial": t,
-                           "measured": got, "expect": expect,
+                           "measured": got, "expect": expect, "site": site,
                            **judge(runs.ref(p), cand, {0: [], **{k: ctl[p][:k] for k in counts}})}
                     faulty.append(row)
                     print(f"{kind} L{layer} x{s} (measured x{got:.2f}) trial {t}: " + ", ".join(
@@ -251,6 +255,19 @@ def table(clean: list[dict], faulty: list[dict], counts: list[int]) -> str:
             cells.append(f"{named} / {len(rows)} named ({100 * named / len(rows):.0f} %), "
                          f"{wrong} wrong")
         out.append(f"| fault x{s:g} | " + " | ".join(cells) + " |")
+    ctl = [m for m in modes if m != "none"]
+    if ctl:
+        out += ["", "Margins (a site's excess over its threshold; above 1 it is more than "
+                "noise):", ""]
+        out.append("| | " + " | ".join(label[m] for m in ctl) + " |")
+        out.append("|---|" + "---|" * len(ctl))
+        out.append("| clean: the largest of any site in any clean pair | " + " | ".join(
+            f"{max(max(r[m]['margin'].values()) for r in clean):.2f}" for m in ctl) + " |")
+        for s in sorted({r["s"] for r in faulty}):
+            rows = [r for r in faulty if r["s"] == s]
+            out.append(f"| fault x{s:g}: the planted site, median (lowest) | " + " | ".join(
+                f"{statistics.median(r[m]['margin'].get(r['site'], math.nan) for r in rows):.2f} "
+                f"({min(r[m]['margin'].get(r['site'], math.nan) for r in rows):.2f})" for m in ctl) + " |")
     out += ["", "Per kind (named / trials, with the most controls):", ""]
     m = modes[-1]
     kinds = sorted({r["kind"] for r in faulty}, key=KINDS.index)
