@@ -69,3 +69,39 @@ def test_the_first_site_in_the_forward_pass_is_the_divergence_not_the_first_name
 def test_a_quiet_chain_is_within_the_noise():
     a = _chain({})
     assert not a.location.noise.flagged and a.exit_code == 0 and a.culprit is None
+
+
+def _fault_at_6(norm: float, down_over_norm: float) -> Analysis:
+    errors = {}
+    for req in (0, 1):
+        errors[(req, 6, "norm")] = norm
+        errors[(req, 6, "down")] = norm * down_over_norm
+        for layer in range(7, LAYERS):  # downstream layers pass on what they are fed
+            errors[(req, layer, "norm")] = errors[(req, layer, "down")] = norm * down_over_norm
+    return _chain(errors)
+
+
+def test_a_near_threshold_site_feeding_the_first_flagged_one_is_its_origin():
+    """Layer 6's norm stands at x1.10 over what feeds it (within 10 % of its threshold, not
+    over it); the down_proj it feeds adds x1.25 on top and crosses. Excess is not conserved
+    through a layer, so the site that runs first is named: the norm, as the origin."""
+    a = _fault_at_6(1.10, 1.25)
+    noise = a.location.noise
+    assert [s.site for s in noise.flagged] == ["model.layers.6.mlp.down_proj#0:out.0"]
+    norm = next(s for s in noise.sites if s.site.startswith("model.layers.6.post_attention"))
+    assert 0.9 * norm.threshold <= norm.excess < norm.threshold
+    assert noise.lead is norm and noise.lead_of is noise.flagged[0]
+    assert a.culprit.module == "model.layers.6.post_attention_layernorm"
+    assert a.culprit.origin_of == "model.layers.6.mlp.down_proj#0:out.0"
+    from accucheck.report.diff import verdict_line
+
+    assert "(the origin)" in verdict_line(a)
+
+
+def test_a_quiet_site_upstream_leaves_the_flagged_one_named():
+    """The same down_proj fault with the norm quiet (x1.0: below 90 % of its threshold): the
+    down_proj itself is named."""
+    a = _fault_at_6(1.0, 1.3)
+    noise = a.location.noise
+    assert noise.lead is noise.flagged[0] and noise.lead_of is None
+    assert a.culprit.module == "model.layers.6.mlp.down_proj" and a.culprit.origin_of is None

@@ -76,6 +76,9 @@ CONTROL_WINDOW = 4
 CONTROL_SPREAD_FLOOR = 0.03
 CONTROL_PEERLESS_SPREAD = 0.1
 CONTROL_ERROR_FLOOR = 0.01
+# a site upstream of the first one more than noise, in its layer, that feeds it and stands at
+# least this fraction of its own threshold is named as the origin (verdict.noise)
+CONTROL_ORIGIN = 0.9
 NOISE_FLOOR_MIN_FRACTION = 0.05
 NOISE_FLOOR_MIN_PEERS = 3
 NOISE_FLOOR_WINDOW = 4

@@ -15,6 +15,7 @@ from typing import Any
 
 from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
+from accucheck.compare.tolerances import CONTROL_ORIGIN
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
@@ -169,6 +170,14 @@ def _control_line(a: Analysis, weaker: str) -> str:
         x = noise.record(fd.key)
         made = (f" (an input no record produced: code of {fd.path[-1]} that no record covers)"
                 if fd.key.role == "in" and fd.path else "")
+        if noise.lead_of is not None:  # the origin of a site more than noise downstream
+            o = noise.lead_of
+            return (f"FAIL: more than noise from {_where(fd)}{made}: excess x{_g(s.excess)} "
+                    f"over the site's {s.records} records, within "
+                    f"{100 * (1 - CONTROL_ORIGIN):.0f} % of its threshold x{_g(s.threshold)}, "
+                    f"and it feeds {o.site}, more than noise (x{_g(o.excess)} > "
+                    f"x{_g(o.threshold)}), in its layer -> introduced here (the origin)"
+                    f"{weaker}")
         return (f"FAIL: more than noise from {_where(fd)}{made}: x{_g(x.ratio)} "
                 f"{whose} error, what feeds it x{_g(x.input_ratio)}; excess x{_g(s.excess)} "
                 f"over the site's {s.records} records (more than noise above "

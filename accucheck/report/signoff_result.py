@@ -156,9 +156,12 @@ class SignoffResult:
         fd = self.analysis.location.first_divergence
         why = []
         if fd is not None and fd.noise is not None:
+            lead_of = self.analysis.location.noise.lead_of
             why.append(f"more than noise from step {fd.step}, {self.culprit} (excess "
                        f"x{fmt_number(fd.noise.excess)} over the control's noise, threshold "
-                       f"x{fmt_number(fd.noise.threshold)})")
+                       f"x{fmt_number(fd.noise.threshold)}"
+                       + (f"; the origin of {lead_of.site}, more than noise downstream"
+                          if lead_of is not None else "") + ")")
         elif fd is not None:
             rec = self.analysis.diff.record(fd.key)
             gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""

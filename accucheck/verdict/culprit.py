@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from accucheck.compare.diff import RecordDiff
 from accucheck.compare.opmatch import op_ident
 from accucheck.compare.routing import flip_line
+from accucheck.compare.tolerances import CONTROL_ORIGIN
 from accucheck.keys import RecordKey, split_rank
 from accucheck.verdict.types import Located, RecordLocation
 
@@ -63,6 +64,8 @@ class Culprit:
                                       # carry the error (compare.routing.ExpertBlame)
     expert_part: str | None = None    # and the projection inside it, as far as records tell
     routing_flip: str | None = None   # a real routing flip is the divergence (its line)
+    origin_of: str | None = None      # with control runs: the site more than noise downstream
+                                      # in its layer that this one feeds (verdict.noise.origin)
 
     @property
     def amplification(self) -> float:
@@ -178,7 +181,9 @@ def find_culprit(a: Located) -> Culprit | None:
         next_step, split_rank(k.slot)[1], seen_at,
         fd.noise.excess if fd.noise is not None else None,
         fd.noise.threshold if fd.noise is not None else None, expert, part,
-        flip_line(fd.routing) if fd.routing is not None else None)
+        flip_line(fd.routing) if fd.routing is not None else None,
+        L.noise.lead_of.site if L.noise is not None and L.noise.lead_of is not None
+        and fd.noise is not None else None)
 
 
 def _expert(d, module: str, call: int, seen_at: RecordKey | None
@@ -227,6 +232,11 @@ def culprit_lines(c: Culprit) -> list[str]:
         lines.append(f"  control: x{g(c.excess)} the control's error over what feeds it "
                      f"(geometric mean over the site's records; more than noise above "
                      f"x{g(c.threshold)})")
+    if c.origin_of is not None:
+        lines.append(f"  the origin of {c.origin_of}, more than noise downstream in its layer: "
+                     f"this site feeds it and stands within {100 * (1 - CONTROL_ORIGIN):.0f} % of "
+                     f"its own threshold (excess "
+                     f"is not conserved through a layer; the site that runs first is named)")
     if c.op is not None and c.module_error is not None:
         lines.append(f"  module output rel_l2 {g(c.module_error)}"
                      + (f"; module local (shadow) {g(c.module_local)}"

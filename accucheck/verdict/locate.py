@@ -120,7 +120,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
     if noise is None:
         intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
     else:  # the control decides: its first site more than noise
-        intro = diff.record(noise.flagged[0].key) if noise.flagged else None
+        intro = diff.record(noise.lead.key) if noise.lead is not None else None
     # a real MoE routing flip (compare.routing) before it is the divergence: the router's logits
     rflip = diff.routing.real_flip if diff.routing is not None else None
     if rflip is not None and (intro is None or (rflip.key.step, rflip.key.req, rflip.order)
@@ -165,7 +165,7 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
             break
         same += 1
     differs = ordered[same] if 0 < same < len(ordered) else None
-    site = noise.flagged[0] if noise is not None and noise.flagged and rflip is None else None
+    site = noise.lead if noise is not None and rflip is None else None
     return Location(divergence(intro, site, rflip), records, tuple(ranked), curve, amplification,
                     divergence(over[0] if over else None), divergence(worst), sus,
                     divergence(differs), noise)

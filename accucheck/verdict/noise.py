@@ -29,7 +29,9 @@ every record. The candidate is compared with it record by record:
 
 Named: the flagged site's first record, in execution order, whose own excess is over the
 site's threshold (else its largest). The first flagged site in the forward pass (where the site
-first runs, not where its named record is) is the first divergence; the
+first runs, not where its named record is), or its origin (`origin`: the earliest site of its
+layer that feeds it and stands within CONTROL_ORIGIN of its own threshold), is the first
+divergence (`NoiseVerdict.lead`); the
 dtype tolerance then does not decide (the control answers "more than noise?"; a golden
 answers "who is closer to the truth?"; the tolerance table is the fallback without either).
 """
@@ -41,9 +43,10 @@ import statistics
 from accucheck.compare.diff import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
-                                          CONTROL_MIN_RATIO, CONTROL_PEERLESS_SPREAD,
-                                          CONTROL_SPREAD_FLOOR, CONTROL_WINDOW, CONTROL_Z)
-from accucheck.keys import is_layer_block, layer_of, peer_kind
+                                          CONTROL_MIN_RATIO, CONTROL_ORIGIN,
+                                          CONTROL_PEERLESS_SPREAD, CONTROL_SPREAD_FLOOR,
+                                          CONTROL_WINDOW, CONTROL_Z)
+from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind
 from accucheck.verdict.types import NoiseSite, NoiseVerdict, RecordLocation, RecordNoise
 
 
@@ -107,8 +110,41 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
     for r in sorted(diff.records, key=lambda r: (r.key.step, r.key.req, r.order)):
         place.setdefault(r.key.site, (r.key.step, r.key.req, r.order))
     flagged = sorted((s for s in sites if s.flagged), key=lambda s: place[s.site])
+    lead = origin(flagged[0], sites, locs, place) if flagged else None
     sites.sort(key=lambda s: -s.z)
-    return NoiseVerdict(diff.control_paths, tuple(recs), tuple(sites), tuple(flagged))
+    return NoiseVerdict(diff.control_paths, tuple(recs), tuple(sites), tuple(flagged), lead,
+                        flagged[0] if lead is not None and lead is not flagged[0] else None)
+
+
+def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocation],
+           place: dict[str, tuple[int, int, int]]) -> NoiseSite:
+    """The site named for the first site more than noise: itself, or the earliest site of its
+    layer that feeds it (verdict.flow's feeders, followed back within the layer) and stands
+    within CONTROL_ORIGIN of its own threshold. Excess is not conserved through a layer: a
+    faulty RMSNorm's error can stand out more at the Linear it feeds than at its own output,
+    against each one's noise, so the Linear crosses its threshold first; naming it would blame
+    the module downstream of the fault (measured: bench/bench_control.py, docs/control.md)."""
+    layer = layer_of(first.key.module)
+    if layer is None:
+        return first
+    by_site = {s.site: s for s in sites}
+    seen, todo, found = set(), [str(first.key)], []
+    while todo:
+        k = todo.pop()
+        for f in (locs[k].feeders if k in locs else ()):
+            if f in seen:
+                continue
+            seen.add(f)
+            fk = RecordKey.parse(f)
+            if layer_of(fk.module) != layer or (fk.req, fk.step) != (first.key.req,
+                                                                     first.key.step):
+                continue
+            todo.append(f)
+            s = by_site.get(fk.site)
+            if s is not None and s.excess >= CONTROL_ORIGIN * s.threshold \
+                    and place[s.site] < place[first.site]:
+                found.append(s)
+    return min(found, key=lambda s: place[s.site]) if found else first
 
 
 def layer_ratios(v: NoiseVerdict) -> list[tuple[int, float, float, str]]:

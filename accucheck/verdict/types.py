@@ -140,7 +140,11 @@ class NoiseVerdict:
     controls: tuple[str, ...]
     records: tuple[RecordNoise, ...]     # diff order, records a control holds
     sites: tuple[NoiseSite, ...]         # largest z first
-    flagged: tuple[NoiseSite, ...]       # execution order of their named record
+    flagged: tuple[NoiseSite, ...]       # forward-pass order of the sites
+    # the divergence: flagged[0], or the site upstream of it in its layer that feeds it and is
+    # within CONTROL_ORIGIN of its own threshold (verdict.noise, "origin"); None: nothing flagged
+    lead: NoiseSite | None = None
+    lead_of: NoiseSite | None = None     # the flagged site `lead` is the origin of, if another
 
     def record(self, key: RecordKey | str) -> RecordNoise | None:
         k = str(key)
