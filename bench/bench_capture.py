@@ -109,7 +109,8 @@ def bench_accucheck(model, seq: int, repeats: int, tmp: Path) -> dict:
     import torch
 
     from accucheck.capture.moe import find_routers
-    from accucheck.capture.recorder import Recorder, select_modules
+    from accucheck.capture.recorder import Recorder
+    from accucheck.capture.selection import select_modules
     from accucheck.store import CaptureWriter, open_capture
 
     gates = [r.gate for r in find_routers(model)]

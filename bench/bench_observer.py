@@ -38,7 +38,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from accucheck.capture.api import CaptureOptions, capture_dir
     from accucheck.capture.hf import load_model_dir
-    from accucheck.capture.recorder import default_modules
+    from accucheck.capture.selection import default_modules
     from accucheck.capture.tiny import tiny_model_dir
     from accucheck.store import open_capture
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from accucheck.capture.ops import OpRecorder
-from accucheck.capture.recorder import select_modules
+from accucheck.capture.selection import select_modules
 from accucheck.capture.shadow import ShadowSource
 from accucheck.capture.tiny import tiny_model_dir
 from accucheck.store import CaptureWriter

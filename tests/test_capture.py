@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
-from accucheck.capture.recorder import Recorder, select_modules
+from accucheck.capture.recorder import Recorder
+from accucheck.capture.selection import select_modules
 from accucheck.capture.tiny import write_tiny_model
 from accucheck.errors import UserError
 from accucheck.store import CaptureWriter, open_capture

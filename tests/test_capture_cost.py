@@ -14,7 +14,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import accucheck.capture.stats as stats_mod
-from accucheck.capture.recorder import Recorder, select_modules, tensor_stats, to_host
+from accucheck.capture.recorder import Recorder
+from accucheck.capture.stats import tensor_stats, to_host
+from accucheck.capture.selection import select_modules
 from accucheck.capture.stats import RAW_SIZE, StepStats, kernel_status
 from accucheck.store import CaptureWriter, open_capture
 

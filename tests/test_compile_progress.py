@@ -7,7 +7,8 @@ import time
 import torch
 
 from accucheck.capture import api
-from accucheck.capture.api import CompileProgress, capture_model
+from accucheck.capture.api import capture_model
+from accucheck.capture.compiling import CompileProgress
 from accucheck.store import open_capture
 
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 from accucheck.capture.graph import ObserverCheck, Tap, boundary_taps, logits_effect
-from accucheck.capture.recorder import default_modules
+from accucheck.capture.selection import default_modules
 from accucheck.cli import cli
 from accucheck.compare.observer import (OBSERVER_NOTE_FRACTION, describe, observer_effect,
                                         observer_notes)

@@ -244,7 +244,8 @@ def test_freed_storage_reused_in_place_changed_and_weights_do_not_link(tmp_path)
 def test_graph_mode_stores_no_links_and_no_extra_inputs(tiny, tmp_path):
     """Hooks registered for graph mode behave as before (no identity inside compiled code):
     checked here without compiling, the recorder in its graph configuration."""
-    from accucheck.capture.recorder import Recorder, select_modules
+    from accucheck.capture.recorder import Recorder
+    from accucheck.capture.selection import select_modules
     from accucheck.store import CaptureWriter
 
     model, _ = tiny

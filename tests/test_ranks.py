@@ -476,7 +476,7 @@ def test_two_tp2_captures_compare_rank_keys_directly(tmp_path):
 
 
 def test_op_records_never_name_a_rank():
-    from accucheck.compare.diff import _base_key
+    from accucheck.compare.shards import _base_key
     from accucheck.keys import RecordKey
 
     assert _base_key(RecordKey.parse("r0.s0:m#0/aten.mm@0:out.0.rank1")) is None

@@ -11,7 +11,6 @@ import copy
 import datetime as _dt
 import json
 import signal
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -24,12 +23,14 @@ from torch import nn
 import accucheck
 from accucheck.capture import device as dev
 from accucheck.coverage import coverage, coverage_line, sites_of
+from accucheck.capture.compiling import CompileProgress, backend_for, compile_stats, dynamo_quiet
 from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                   load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.graph import (ObserverCheck, boundary_taps, router_taps, run_unobserved,
                                      tapped_modules)
 from accucheck.capture.moe import RoutingReplay, find_routers, moe_meta
-from accucheck.capture.recorder import Recorder, select_modules
+from accucheck.capture.recorder import Recorder
+from accucheck.capture.selection import select_modules
 from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
@@ -175,7 +176,6 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     spec = dev.parse_device(opts.device)
     tdev = dev.torch_device(spec)
     model = _on(model, tdev, parse_dtype(opts.dtype) if opts.dtype else None)
-    dtype_name = _dtype_name(next(model.parameters()).dtype)
     causal = is_causal_lm(model)
     prompt_ids = tokenize_prompts(prompts, tokenizer)
     tokens_from = opts.tokens_from or opts.shadow or opts.routing_from
@@ -199,28 +199,12 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if taps:
             taps += router_taps(routers)
             modules = tapped_modules(taps)
-    backend_name, backend = _backend(spec, opts) if opts.mode == "graph" else (None, None)
-    meta = {
-        "tool": "accucheck", "tool_version": accucheck.__version__,
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "runner": "hf", "device": str(spec), "dtype": dtype_name, "mode": opts.mode,
-        "compile_backend": backend_name, "seed": seeded, "determinism": determinism,
-        "environment": dev.fingerprint(spec),
-        "model": {"class": type(model).__name__, "causal_lm": causal,
-                  "config_hash": config_hash(model), "weight_hash": weight_hash(model),
-                  "config": _config_dict(model),
-                  "attn_implementation": getattr(getattr(model, "config", None),
-                                                 "_attn_implementation", None)},
-        "weights": weight_table(model),  # per weight: checksum + samples (compare.weights)
-        "stats_kernel": kernel_status(),
-        "modules": modules,
-        "graph_taps": None if opts.mode != "graph" else "boundaries" if taps else "selection",
-        "moe": moe_meta(routers),
-        "logits": {"kind": "raw", "source": "the model's output logits (before any logits "
-                                             "processor or sampling transform)"},
-        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
-        **opts.meta_extra,
-    }
+    backend_name, backend = backend_for(spec, opts.compile_backend) if opts.mode == "graph" \
+        else (None, None)
+    meta = _meta(model, spec, opts, modules=modules, routers=routers, causal=causal,
+                 backend_name=backend_name, seeded=seeded, determinism=determinism,
+                 graph_taps=None if opts.mode != "graph" else "boundaries" if taps
+                 else "selection")
     # the shadow reference is opened and checked (full, with inputs) before the output exists
     source = _shadow_source(opts)
     replay = None
@@ -250,7 +234,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         return compiling.watch(torch.compile(model, backend=backend, dynamic=True))
 
     try:
-        with interruptible() as guard, _dynamo_quiet(opts.mode), \
+        with interruptible() as guard, dynamo_quiet(opts.mode), \
                 (compiling or contextlib.nullcontext()), \
                 (replay.installed(model) if replay else contextlib.nullcontext()):
             if check is not None:  # the untapped run first: its tokens are the run's
@@ -267,7 +251,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                 torch._dynamo.reset()  # the tapped model compiles afresh
                 compiling.register()
                 compiling.label = backend_name
-            before = _compile_stats() if opts.mode == "graph" else {}
+            before = compile_stats() if opts.mode == "graph" else {}
             with recorder.hooks():
                 # hooks are in place BEFORE compilation: hooks added later never fire in the graph
                 forward = compiled() if compiling is not None else model
@@ -302,7 +286,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if replay is not None:
             writer.update_meta(routing_forced=replay.meta())
         if opts.mode == "graph":
-            writer.update_meta(compile_stats=_compile_stats(before),
+            writer.update_meta(compile_stats=compile_stats(before),
                                compile_seconds=round(compiling.seconds, 3),
                                observer_effect=check.meta() if check is not None else
                                {"measured": False, "taps": meta["graph_taps"],
@@ -325,6 +309,34 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         if replay is not None:
             replay.close()
     return Path(out)
+
+
+def _meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, modules: list[str],
+          routers: list, causal: bool, backend_name: str | None, seeded: dict,
+          determinism: dict, graph_taps: str | None) -> dict:
+    """The capture file's meta as the capture starts (accucheck.store; the run adds what it
+    measures: coverage, compile statistics, the observer effect, forced routing)."""
+    return {
+        "tool": "accucheck", "tool_version": accucheck.__version__,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "runner": "hf", "device": str(spec), "dtype": _dtype_name(next(model.parameters()).dtype),
+        "mode": opts.mode, "compile_backend": backend_name, "seed": seeded,
+        "determinism": determinism, "environment": dev.fingerprint(spec),
+        "model": {"class": type(model).__name__, "causal_lm": causal,
+                  "config_hash": config_hash(model), "weight_hash": weight_hash(model),
+                  "config": _config_dict(model),
+                  "attn_implementation": getattr(getattr(model, "config", None),
+                                                 "_attn_implementation", None)},
+        "weights": weight_table(model),  # per weight: checksum + samples (compare.weights)
+        "stats_kernel": kernel_status(),
+        "modules": modules,
+        "graph_taps": graph_taps,
+        "moe": moe_meta(routers),
+        "logits": {"kind": "raw", "source": "the model's output logits (before any logits "
+                                             "processor or sampling transform)"},
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
+        **opts.meta_extra,
+    }
 
 
 def left_behind(writer: CaptureWriter) -> str:
@@ -369,123 +381,6 @@ def _shadow_source(opts: CaptureOptions):
     from accucheck.capture.shadow import ShadowSource
 
     return ShadowSource(opts.shadow)
-
-
-class CompileProgress:
-    """Graph mode: while torch.compile and its backend compile (minutes on a real model, at the
-    first forward and at a recompilation), a background thread says so every `every`
-    seconds to the progress callback: "capture: compiling (inductor), 12 s". `seconds` adds up
-    the time spent compiling (the capture's meta "compile_seconds").
-
-    Compilations are seen through dynamo's compile callbacks (torch._dynamo.callback, where
-    this torch has them); without them, the first call of the watched forward counts as the
-    compilation. Use as a context manager around the capture (starts / stops the thread and
-    the callbacks) and `watch` the compiled forward. `clock` is injectable; `tick()` is one
-    poll of the thread (tests call it directly)."""
-
-    every = 5.0
-
-    def __init__(self, out: Callable[[str], None] | None, label: str | None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.out, self.label, self.clock = out, label or "torch.compile", clock
-        self.seconds = 0.0
-        self._started: float | None = None
-        self._depth = 0
-        self._lock = threading.Lock()
-        self._begun = threading.Event()
-        self._halt = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._callbacks = False
-        self._calls = 0
-
-    # compilation boundaries (dynamo's callbacks, or the first forward)
-    def start(self, _args=None) -> None:
-        with self._lock:
-            self._depth += 1
-            if self._depth == 1:
-                self._started = self.clock()
-                self._begun.set()
-
-    def end(self, _args=None) -> None:
-        with self._lock:
-            if self._depth == 0:
-                return
-            self._depth -= 1
-            if self._depth == 0 and self._started is not None:
-                self.seconds += self.clock() - self._started
-                self._started = None
-
-    def tick(self) -> bool:
-        """One progress line if a compilation is running; False when none is."""
-        with self._lock:
-            started = self._started
-            if started is None:
-                self._begun.clear()
-                return False
-        if self.out is not None:
-            self.out(f"capture: compiling ({self.label}), {self.clock() - started:.0f} s")
-        return True
-
-    def _run(self) -> None:
-        while not self._halt.is_set():
-            self._begun.wait()
-            while not self._halt.wait(self.every):
-                if not self.tick():
-                    break
-
-    def watch(self, forward: Callable) -> Callable:
-        """`forward`, whose first call is timed as the compilation when dynamo has no compile
-        callbacks."""
-        if self._callbacks:
-            return forward
-
-        def first_call_compiles(*args, **kwargs):
-            self._calls += 1
-            if self._calls > 1:
-                return forward(*args, **kwargs)
-            self.start()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.end()
-        return first_call_compiles
-
-    def register(self) -> None:
-        """(Re-)register dynamo's compile callbacks: `torch._dynamo.reset()` drops them."""
-        try:
-            from torch._dynamo.callback import callback_handler
-
-            if self.start not in callback_handler.start_callbacks:
-                callback_handler.register_start_callback(self.start)
-                callback_handler.register_end_callback(self.end)
-            self._callbacks = True
-        except (ImportError, AttributeError):
-            self._callbacks = False
-
-    def __enter__(self) -> "CompileProgress":
-        self.register()
-        if self.out is not None:
-            self._thread = threading.Thread(target=self._run, name="accucheck-compile-progress",
-                                            daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._halt.set()
-        self._begun.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._callbacks:
-            from torch._dynamo.callback import callback_handler
-
-            if self.start in callback_handler.start_callbacks:
-                callback_handler.remove_start_callback(self.start)
-            if self.end in callback_handler.end_callbacks:
-                callback_handler.remove_end_callback(self.end)
-        with self._lock:  # a compilation interrupted by an error still counts
-            if self._started is not None:
-                self.seconds += self.clock() - self._started
-                self._started = None
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
@@ -599,58 +494,6 @@ def forced_tokens(path, model, prompt_ids, prompts, tokenizer, max_new_tokens):
                             f"({vocab}); another tokenizer?")
         out.append((ref_ids, gen[:max_new_tokens]))
     return out
-
-
-def _backend(spec: dev.DeviceSpec, opts: CaptureOptions) -> tuple[str, str | object]:
-    """(name recorded in meta, backend passed to torch.compile) for mode "graph"."""
-    if opts.compile_backend:
-        from torch._dynamo import list_backends
-
-        known = sorted(set(list_backends(exclude_tags=())))
-        if opts.compile_backend not in known:
-            raise UserError(f"--compile-backend {opts.compile_backend}: torch.compile knows no "
-                            f"such backend here; use one of {', '.join(known)}")
-        return opts.compile_backend, opts.compile_backend
-    if spec.kind == "npu":  # Ascend's documented torch.compile backend is TorchAir's
-        try:
-            import torchair
-        except ImportError:
-            raise UserError("--mode graph on NPU needs torchair (the Ascend torch.compile "
-                            "backend, installed with torch_npu); or pass --compile-backend") from None
-        return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
-    return "inductor", "inductor"
-
-
-@contextmanager
-def _dynamo_quiet(mode: str) -> Iterator[None]:
-    """Graph mode: dynamo formats a stack trace for every recorded side effect (the recorder's
-    list appends, one per record) unless its side-effect replay policy is "silent"; on the
-    30-layer SmolLM2 that is 1.6x the whole compile time (193 s vs 123 s measured). The
-    compiled program is the same."""
-    import torch._dynamo
-
-    if mode != "graph" or not hasattr(torch._dynamo.config, "side_effect_replay_policy"):
-        yield
-        return
-    with torch._dynamo.config.patch(side_effect_replay_policy="silent"):
-        yield
-
-
-def _compile_stats(since: dict | None = None) -> dict:
-    """torch._dynamo's counters of graphs and graph breaks (minus `since`): evidence that the
-    hooks were traced into the graph (0 breaks) rather than splitting it."""
-    from torch._dynamo.utils import counters
-
-    now = {"unique_graphs": counters["stats"].get("unique_graphs", 0),
-           "graph_breaks": sum(counters["graph_break"].values()),
-           "break_reasons": {str(k)[:200]: v for k, v in counters["graph_break"].items()}}
-    if since:
-        now["unique_graphs"] -= since["unique_graphs"]
-        now["graph_breaks"] -= since["graph_breaks"]
-        now["break_reasons"] = {k: v - since["break_reasons"].get(k, 0)
-                                for k, v in now["break_reasons"].items()
-                                if v > since["break_reasons"].get(k, 0)}
-    return now
 
 
 def _config_dict(model: nn.Module) -> dict | None:

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from accucheck.capture.recorder import flatten
+from accucheck.capture.selection import flatten
 
 # HF GPT-2's Conv1D is an addmm with a transposed weight: a Linear for this purpose
 _MATMUL_CLASSES = ("Conv1D",)

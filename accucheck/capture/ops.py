@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accucheck.capture.recorder import flatten
+from accucheck.capture.selection import flatten
 from accucheck.capture.shadow import (ShadowRecorder, ShadowSource, Unreplayable,
                                       _no_dispatch_modes, ref_tensor_lookup)
 from accucheck.errors import UserError

@@ -1,6 +1,8 @@
-"""Forward-hook recorder: selects modules, copies what they produce, writes records.
+"""Forward-hook recorder: copies what the selected modules produce, writes records.
 
-Imports torch, accucheck.keys and accucheck.store (never h5py directly).
+Imports torch, accucheck.keys and accucheck.store (never h5py directly). Which modules are
+selected and how a call's tensors are named: accucheck.capture.selection; which recorded
+tensor an input is (producer links): accucheck.capture.links.
 
 Hooks are a scoped resource: `Recorder.hooks()` registers them, keeps every handle and removes
 them in `finally`, also when forward raises. The user's model is never modified beyond the
@@ -19,31 +21,6 @@ ones registered; a module that already has forward hooks when `hooks()` opens (a
 fault replacing the output, a user's hook), and every module while a global forward hook is
 registered, get the two hooks as before. A TorchScript module called from Python is wrapped
 too (it takes no hooks); called from inside TorchScript, it records nothing.
-
-Producer links (eager mode): every recorded tensor is remembered for the rest of the step by
-its storage identity, `(untyped_storage().data_ptr(), _version)`, with a weak reference to the
-storage (a freed storage never matches, even when a new tensor reuses its address; nothing is
-kept alive). When a selected module is called, each floating-point tensor input is looked up:
-
-- it IS a recorded tensor (or a view of one): the link `slot -> producer site` is stored in the
-  /index/extra JSON of the call's first output record, `{"src": {"0": "model.layers.0#0:out.0",
-  "position_embeddings.0": "model.rotary_emb#0:out.0"}}` (a site is `RecordKey.site`: the key
-  without request and step; the producer is in the same request and step). When one tensor was
-  recorded several times (o_proj's output is also self_attn's output), the last record wins:
-  the outermost module that returned it;
-- it is a parameter or buffer of the model: not linked, and recorded only with `--inputs`
-  (its statistics and values once per capture, see below);
-- otherwise (a residual sum, `act(gate) * up`, an additive attention mask, a tensor made
-  outside the selected modules) it is recorded as an "in" record of this call, also without
-  `--inputs`, and remembered like an output: the next call that gets the same tensor (the mask
-  passed to every layer) links to that "in" record instead of recording it again.
-
-Integer / bool inputs are neither linked nor recorded (with `--inputs`, every tensor input is
-recorded, as before, and links are stored for those that match). An input modified in place
-since it was recorded has another `_version` and does not match (it is recorded). Inference
-tensors (torch.inference_mode) have no version counter: they are never linked, always recorded.
-Call indices of eager module records count the calls of the module in the step (assigned at
-hook time, so "in" records of a call share its index).
 
 One tensor, one set of statistics: a record of the very tensor an earlier record of the step
 holds (same storage, version, view and dtype: o_proj's output is self_attn's, mlp's is
@@ -69,91 +46,21 @@ name the tap says).
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-# tensor_stats / to_host live in stats (which uses them too); kept importable from here
-from accucheck.capture.stats import StepStats, _no_modes, tensor_stats, to_host  # noqa: F401
-from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot, is_layer_block, layer_of
+from accucheck.capture.stats import StepStats, _no_modes, to_host
+from accucheck.capture.links import (Frame, Pending, Producers, identity, plain_storage,
+                                     view_of, weak_expired, weak_free)
+from accucheck.capture.selection import call_slots, flatten, inputs_of
+from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
-
-_EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
-_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f")
-# rotary / position embeddings, wherever they sit (HF Llama: model.rotary_emb, called once per
-# forward; its (cos, sin) reach every layer's attention as `position_embeddings`)
-_POSITION_NAMES = ("rotary_emb", "rotary_pos_emb", "wpe", "embed_positions")
-_POSITION_CLASSES = ("RotaryEmbedding",)
-_HEAD_NAMES = ("lm_head",)  # its output is the `logits` record
-# never recorded: pass-through modules, and containers that are never called
-_SKIP_CLASSES = ("Dropout", "Identity", "ModuleList", "ModuleDict")
-
-
-def default_modules(model: nn.Module) -> list[str]:
-    """Module paths recorded by default, in `named_modules` order: the embeddings, every
-    decoder layer block, the final norm and the rotary / position embedding module(s), each
-    with ALL its descendants (attention, MLP, norms, the leaf Linear q/k/v/o_proj and
-    gate/up/down_proj, activations, MoE routers and experts, BERT's `embeddings.LayerNorm`,
-    ...), so a divergence can be blamed at the leaf that introduces it.
-
-    Left out: the root and the base model container (`model` of LlamaForCausalLM), lm_head
-    (its output is the `logits` record), Dropout / Identity, ModuleList / ModuleDict. A selected
-    module that is never called (a container) simply produces no record. Children are recorded
-    before their parent (forward hooks fire when a call returns)."""
-    by_name = dict(model.named_modules())
-    layer_blocks = {name for name in by_name if is_layer_block(name)}
-    picked: set[str] = set()
-    for name, mod in by_name.items():
-        if not name or name in picked:
-            continue
-        leaf = name.split(".")[-1]
-        top = layer_of(name) is None
-        if (leaf in _EMBED_NAMES and top) or name in layer_blocks \
-                or (leaf in _FINAL_NORM_NAMES and top) or leaf in _POSITION_NAMES \
-                or type(mod).__name__.endswith(_POSITION_CLASSES):
-            picked.update(sub for sub, _ in mod.named_modules(prefix=name))
-    return [name for name, mod in by_name.items()
-            if name in picked and not type(mod).__name__.endswith(_SKIP_CLASSES)
-            and name.split(".")[-1] not in _HEAD_NAMES]
-
-
-def select_modules(model: nn.Module, include: Sequence[str] | None = None,
-                   exclude: Sequence[str] | None = None) -> list[str]:
-    """Module paths to hook, in `named_modules` order. `include` globs replace the default
-    selection; `exclude` globs then remove paths."""
-    if include:
-        names = [n for n, _ in model.named_modules()
-                 if n and any(fnmatch.fnmatchcase(n, p) for p in include)]
-    else:
-        names = default_modules(model)
-    if exclude:
-        names = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
-    return names
-
-
-def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Tensors inside tensors / tuples / lists / dicts / ModelOutput, with their slot names.
-    None and non-tensor leaves (caches, ints) are skipped. A complex tensor (DeepSeek-V2's
-    rotary frequencies) is its real view: a float tensor with a last dimension of 2."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix or "0", torch.view_as_real(obj) if obj.is_complex() else obj)]
-    out: list[tuple[str, torch.Tensor]] = []
-    if isinstance(obj, dict):  # ModelOutput is an OrderedDict
-        items = [(clean_slot(k), v) for k, v in obj.items()]
-    elif isinstance(obj, (tuple, list)):
-        items = [(str(i), v) for i, v in enumerate(obj)]
-    else:
-        return out
-    for k, v in items:
-        out.extend(flatten(v, f"{prefix}.{k}" if prefix else k))
-    return out
 
 
 def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
@@ -205,190 +112,8 @@ def finish_rows(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass(eq=False, slots=True)
-class _Pending:
-    """One record of the current step, until `end_step` writes it."""
-    module: str
-    role: str
-    slot: str
-    kind: str
-    # statistics: a row number of the step's StepStats, or the raw row itself (a weight's,
-    # computed once per capture); None while `tensor` (graph mode, logits) awaits end_step
-    stats: int | np.ndarray | None
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    # op-level records (accucheck.capture.ops), shadow replays and eager module records carry
-    # their own key parts
-    op: str | None = None
-    op_index: int | None = None
-    call: int | None = None
-    extra: dict | None = None  # JSON object for /index/extra (op call details, "weight")
-    tensor: torch.Tensor | None = None  # graph mode: the clone; logits
-    host: np.ndarray | None = None  # full mode: the values (a weight's: cached)
-    src: dict | None = None    # input slot -> producer _Pending (links, see module docstring)
-    producer: bool = False     # some link may point here: its site is needed at end_step
-    share: str | None = None   # full mode: records of the same tensor share one dataset
-
-
-@dataclass(eq=False, slots=True)
-class _Frame:
-    """One open module call: its call index and, for a selected module, the input links."""
-    module: str
-    call: int
-    src: dict | None = None
-    n_ops: int = 0
-    occurrence: dict | None = None  # op level: calls of each op in this module call
-
-
-def _identity(t: torch.Tensor):
-    """(storage address, version, storage) of `t`; None when it cannot be told apart reliably
-    (inference tensors have no version counter; an empty storage has no address)."""
-    if t.is_inference():
-        return None
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-        return None
-    ptr = st.data_ptr()
-    return (ptr, t._version, st) if ptr else None
-
-
-def _plain_storage(t: torch.Tensor):
-    """`t`'s untyped storage when `t` is a floating-point tensor `_identity` can tell apart
-    (not an inference tensor, has a storage); else None (the caller takes the general path,
-    which also handles an empty storage, complex and integer tensors)."""
-    if not t.is_floating_point() or t.is_inference():
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-        return None
-
-
 def _json(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-def _view(t: torch.Tensor) -> tuple:
-    return (t.storage_offset(), t.shape, t.stride(), t.dtype)
-
-
-_weak_expired = torch.UntypedStorage._expired
-_weak_free = torch.UntypedStorage._free_weak_ref
-
-
-class _Producers:
-    """Recorded tensors of the current step by storage identity (see the module docstring).
-
-    Entries hold a weak reference to the storage (the raw one StorageWeakRef wraps: created
-    with `_weak_ref()`, freed here, in `clear` or when an entry is replaced), never the tensor:
-    an expired one (its storage freed, maybe reused by a new tensor at the same address) never
-    matches. Among live entries of one storage, the one with the same view (offset, shape,
-    strides, dtype) wins, else the latest. `ident` arguments are `_identity(t)`.
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[tuple[int, int], list[tuple]] = {}
-
-    def clear(self) -> None:
-        for entries in self._by_id.values():
-            for e in entries:
-                _weak_free(e[0])
-        self._by_id.clear()
-
-    def _live(self, ident) -> list | None:
-        key = (ident[0], ident[1])
-        entries = self._by_id.get(key)
-        if entries is None:
-            return None
-        if len(entries) == 1:
-            if _weak_expired(entries[0][0]):
-                _weak_free(entries[0][0])
-                del self._by_id[key]
-                return None
-            return entries
-        live = []
-        for e in entries:
-            if _weak_expired(e[0]):
-                _weak_free(e[0])
-            else:
-                live.append(e)
-        if len(live) != len(entries):
-            entries[:] = live
-        return live or None
-
-    def add(self, t: torch.Tensor, p: _Pending, ident=None, view: tuple | None = None) -> None:
-        ident = ident or _identity(t)
-        if ident is None:
-            return
-        view = view or _view(t)
-        key = (ident[0], ident[1])
-        e = (ident[2]._weak_ref(), view, p)
-        entries = self._by_id.get(key)
-        if entries is None:
-            self._by_id[key] = [e]
-        else:
-            keep = []
-            for x in entries:
-                if x[1] == view or _weak_expired(x[0]):
-                    _weak_free(x[0])
-                else:
-                    keep.append(x)
-            keep.append(e)
-            entries[:] = keep
-        p.producer = True
-
-    def find(self, t: torch.Tensor, ident=None, view: tuple | None = None) -> _Pending | None:
-        """The record `t` is (or is a view of), if any."""
-        return self._match(t, ident or _identity(t), view, exact=False)
-
-    def same(self, t: torch.Tensor, ident, view: tuple | None = None) -> _Pending | None:
-        """The record of exactly this tensor (storage, version, view, dtype), if any: the same
-        values, so the same statistics (and, in full mode, the same dataset)."""
-        return self._match(t, ident, view, exact=True)
-
-    def _match(self, t, ident, view, exact: bool) -> _Pending | None:
-        """The latest live record of `t`'s storage and version with `t`'s view; else, unless
-        `exact`, the latest one of any view."""
-        live = self._live(ident) if ident is not None else None
-        if live is None:
-            return None
-        view = view or _view(t)
-        for e in reversed(live):
-            if e[1] == view:
-                return e[2]
-        return None if exact else live[-1][2]
-
-
-_SLOTS: dict[Any, str] = {}
-
-
-def _slot(k: Any) -> str:
-    s = _SLOTS.get(k)
-    if s is None:
-        s = clean_slot(k)
-        if len(_SLOTS) < 4096:
-            _SLOTS[k] = s
-    return s
-
-
-def call_slots(args: tuple, kwargs: dict | None) -> list[tuple[str, torch.Tensor]]:
-    """`flatten(inputs_of((args, kwargs)))`, faster: the tensor inputs of a module call with
-    their slots."""
-    out: list[tuple[str, torch.Tensor]] = []
-    for i, v in enumerate(args):
-        if isinstance(v, torch.Tensor):
-            out.append((_slot(i), torch.view_as_real(v) if v.is_complex() else v))
-        elif isinstance(v, (tuple, list, dict)):
-            out.extend(flatten(v, _slot(i)))
-    if kwargs:
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                out.append((_slot(k), torch.view_as_real(v) if v.is_complex() else v))
-            elif isinstance(v, (tuple, list, dict)):
-                out.extend(flatten(v, _slot(k)))
-    return out
 
 
 def _can_wrap(mod: nn.Module) -> bool:
@@ -425,8 +150,8 @@ class Recorder:
     """Records module outputs (and inputs) of one model into a CaptureWriter.
 
     Call `begin_step(req, step)` before each forward and `end_step(logits=...)` after it.
-    In eager mode, also stores producer links and records the inputs no link explains (see
-    the module docstring). Statistics: accucheck.capture.stats (`stats_kernel`: "c" / "torch"
+    In eager mode, also stores producer links and records the inputs no link explains
+    (accucheck.capture.links). Statistics: accucheck.capture.stats (`stats_kernel`: "c" / "torch"
     for CPU tensors, default the C kernel when it builds).
 
     Eager, per selected module: a forward wrapper (`_wrapped_forward`, see the module
@@ -462,15 +187,15 @@ class Recorder:
         self.graph = graph
         self.full = writer.store == "full"
         self.stats = StepStats(keep=self.full, kernel=stats_kernel)
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         self._req = 0
         self._step = 0
         self.handles: list[Any] = []
         self._pause = 0
-        self._stack: list[_Frame] = []      # open module calls, innermost last (eager)
+        self._stack: list[Frame] = []      # open module calls, innermost last (eager)
         self._calls: dict[str, int] = {}    # calls of each module in this step (eager)
-        self._closed: dict[str, _Frame] = {}  # the call of each module that returned last
-        self._producers = _Producers()
+        self._closed: dict[str, Frame] = {}  # the call of each module that returned last
+        self._producers = Producers()
         # parameters and buffers by storage: (storage offset, name); a weight seen as an input
         # is recorded (with --inputs) with statistics and values kept once per capture
         self._weights: dict[int, list[tuple[int, str]]] = {}
@@ -495,10 +220,10 @@ class Recorder:
     # -- records -------------------------------------------------------------------------
     def item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
              op: str | None = None, op_index: int | None = None, extra: dict | None = None,
-             kind: str = "module") -> _Pending:
+             kind: str = "module") -> Pending:
         """A record with its key parts fixed now; its statistics (and, in full mode, its
         values) are taken now (StepStats.add: a copy or a finished reduction)."""
-        return _Pending(module, role, slot, kind, self.stats.add(t), dtype_name(t), t.shape,
+        return Pending(module, role, slot, kind, self.stats.add(t), dtype_name(t), t.shape,
                         t.numel(), op, op_index, call, extra)
 
     def weight_name(self, t: torch.Tensor, ptr: int | None = None) -> str | None:
@@ -520,7 +245,7 @@ class Recorder:
 
     def weight_item(self, module: str, role: str, slot: str, t: torch.Tensor, call: int | None,
                     name: str, op: str | None = None, op_index: int | None = None,
-                    kind: str = "module") -> _Pending:
+                    kind: str = "module") -> Pending:
         """A record of a weight (mm's transposed weight as an op input, ...): statistics and
         values taken once per capture and view; every record of it shares one dataset and
         names the weight in /index/extra ({"weight": "model.layers.0.mlp.up_proj.weight"})."""
@@ -532,17 +257,17 @@ class Recorder:
                 row = self.stats.now(t)
                 host = to_host(t)[0] if self.full else None
             hit = self._weight_rows[ck] = (row, host, f"w{len(self._weight_rows)}")
-        p = _Pending(module, role, slot, kind, hit[0], dtype_name(t), tuple(t.shape),
+        p = Pending(module, role, slot, kind, hit[0], dtype_name(t), tuple(t.shape),
                      t.numel(), op, op_index, call, {"weight": name})
         p.host, p.share = hit[1], hit[2]
         return p
 
-    def same_item(self, q: _Pending, module: str, role: str, slot: str, call: int | None,
+    def same_item(self, q: Pending, module: str, role: str, slot: str, call: int | None,
                   op: str | None = None, op_index: int | None = None,
-                  extra: dict | None = None, kind: str = "module") -> _Pending:
+                  extra: dict | None = None, kind: str = "module") -> Pending:
         """A record of the very tensor `q` recorded (o_proj's output is self_attn's): its
         statistics, and in full mode its dataset, are q's."""
-        p = _Pending(module, role, slot, kind, q.stats, q.dtype, q.shape, q.numel, op,
+        p = Pending(module, role, slot, kind, q.stats, q.dtype, q.shape, q.numel, op,
                      op_index, call, extra)
         p.host = q.host
         if self.full:
@@ -554,23 +279,23 @@ class Recorder:
 
     def link_inputs(self, slots: list[tuple[str, torch.Tensor]], module: str, call: int,
                     op: str | None = None, kind: str = "module"
-                    ) -> tuple[dict[str, _Pending], list[_Pending]]:
+                    ) -> tuple[dict[str, Pending], list[Pending]]:
         """Producer links of a call's inputs, and the "in" records it needs: the unexplained
         floating-point inputs (every input with --inputs). New "in" records become producers.
         The caller appends the records to the step (op records get their op_index later)."""
-        src: dict[str, _Pending] = {}
-        ins: list[_Pending] = []
+        src: dict[str, Pending] = {}
+        ins: list[Pending] = []
         every = self.record_inputs
         op_index = -1 if op else None
         producers = self._producers
-        by_id = producers._by_id
+        by_id = producers.by_id
         for slot, t in slots:
             # an empty tensor (the prefill's empty KV cache) holds nothing to compare
             if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
                 if every:
                     ins.append(self.item(module, "in", slot, t, call, op, op_index, kind=kind))
                 continue
-            ident = _identity(t)
+            ident = identity(t)
             wname = self.weight_name(t, ident[0] if ident is not None else None) \
                 if ident is None or ident[0] in self._weights else None
             if wname is not None:  # weights are never linked; recorded once with --inputs
@@ -582,10 +307,10 @@ class Recorder:
                 if not every:  # find() of a storage with one live entry: that entry
                     entries = by_id.get((ident[0], ident[1]))
                     if entries is not None and len(entries) == 1 \
-                            and not _weak_expired(entries[0][0]):
+                            and not weak_expired(entries[0][0]):
                         src[slot] = entries[0][2]
                         continue
-                view = _view(t)
+                view = view_of(t)
                 producer = producers.find(t, ident, view)
                 if producer is not None:
                     src[slot] = producer
@@ -604,7 +329,7 @@ class Recorder:
 
     def outputs(self, slots: list[tuple[str, torch.Tensor]], module: str, call: int,
                 src: dict | None, op: str | None = None, op_index: int | None = None,
-                extra: dict | None = None, kind: str = "module") -> list[_Pending]:
+                extra: dict | None = None, kind: str = "module") -> list[Pending]:
         """Output records of a call (links and `extra` on the first one), registered as
         producers. An output that IS an earlier record's tensor shares its statistics."""
         outs = []
@@ -612,14 +337,14 @@ class Recorder:
         add = self.stats.add
         for j, (slot, t) in enumerate(slots):
             x = extra if j == 0 else None
-            ident = _identity(t) if t.is_floating_point() or t.is_complex() else None
+            ident = identity(t) if t.is_floating_point() or t.is_complex() else None
             if ident is not None:
                 view = (t.storage_offset(), t.shape, t.stride(), t.dtype)
-                q = producers.same(t, ident, view) if (ident[0], ident[1]) in producers._by_id \
+                q = producers.same(t, ident, view) if (ident[0], ident[1]) in producers.by_id \
                     else None
                 p = self.same_item(q, module, "out", slot, call, op, op_index, x, kind) \
                     if q is not None else \
-                    _Pending(module, "out", slot, kind, add(t), dtype_name(t), t.shape,
+                    Pending(module, "out", slot, kind, add(t), dtype_name(t), t.shape,
                              t.numel(), op, op_index, call, x)
                 producers.add(t, p, ident, view)
             else:
@@ -633,10 +358,10 @@ class Recorder:
         return outs
 
     def _one_output(self, t: torch.Tensor, module: str, call: int, src: dict | None
-                    ) -> _Pending:
+                    ) -> Pending:
         """`outputs([("0", t)], module, call, src)[0]`: the usual module output, faster
-        (`_identity` and `_Producers.add` inlined for a storage without a live entry)."""
-        st = _plain_storage(t)
+        (`identity` and `Producers.add` inlined for a storage without a live entry)."""
+        st = plain_storage(t)
         ptr = st.data_ptr() if st is not None else 0
         if not ptr:
             return self.outputs([("0", t)], module, call, src)[0]
@@ -644,14 +369,14 @@ class Recorder:
         dt = t.dtype
         view = (t.storage_offset(), t.shape, t.stride(), dt)
         producers = self._producers
-        by_id = producers._by_id
+        by_id = producers.by_id
         entries = by_id.get(key)
-        if entries is not None and len(entries) == 1 and _weak_expired(entries[0][0]):
-            _weak_free(entries[0][0])  # a freed tensor's address, reused: what _live drops
+        if entries is not None and len(entries) == 1 and weak_expired(entries[0][0]):
+            weak_free(entries[0][0])  # a freed tensor's address, reused: what _live drops
             del by_id[key]
             entries = None
         if entries is None:  # the usual case: a new tensor, its storage's only entry
-            p = _Pending(module, "out", "0", "module", self.stats.add(t),
+            p = Pending(module, "out", "0", "module", self.stats.add(t),
                          _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
                          call)
             by_id[key] = [(st._weak_ref(), view, p)]  # what producers.add does here
@@ -660,7 +385,7 @@ class Recorder:
             ident = (key[0], key[1], st)
             q = producers.same(t, ident, view)
             p = self.same_item(q, module, "out", "0", call) if q is not None else \
-                _Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t),
+                Pending(module, "out", "0", "module", self.stats.add(t), dtype_name(t),
                          t.shape, t.numel(), None, None, call)
             producers.add(t, p, ident, view)
         p.src = src or None
@@ -670,17 +395,17 @@ class Recorder:
         """The usual leaf call without --inputs (one tensor argument): `link_inputs([("0", t)],
         module, call)`, faster. Appends the "in" record, if one is needed, to the step;
         returns the links (None for none)."""
-        st = _plain_storage(t) if t.numel() else None
+        st = plain_storage(t) if t.numel() else None
         ptr = st.data_ptr() if st is not None else 0
         if ptr and ptr not in self._weights:
             producers = self._producers
-            by_id = producers._by_id
+            by_id = producers.by_id
             key = (ptr, t._version)
             entries = by_id.get(key)
             if entries is not None and len(entries) == 1:
-                if not _weak_expired(entries[0][0]):
+                if not weak_expired(entries[0][0]):
                     return {"0": entries[0][2]}  # find(): the one live entry, any view
-                _weak_free(entries[0][0])  # a freed tensor's address, reused
+                weak_free(entries[0][0])  # a freed tensor's address, reused
                 del by_id[key]
                 entries = None
             dt = t.dtype
@@ -689,7 +414,7 @@ class Recorder:
             producer = producers.find(t, ident, view) if entries is not None else None
             if producer is not None:
                 return {"0": producer}
-            p = _Pending(module, "in", "0", "module", self.stats.add(t),
+            p = Pending(module, "in", "0", "module", self.stats.add(t),
                          _DTYPE_NAMES.get(dt) or dtype_name(t), t.shape, t.numel(), None, None,
                          call)
             self._pending.append(p)
@@ -712,7 +437,7 @@ class Recorder:
         if tap.where == "in":
             def tap_in(_mod, args):
                 if args and isinstance(args[0], torch.Tensor):
-                    pending.append(_Pending(module, role, slot, "module", None, "", (), 0,
+                    pending.append(Pending(module, role, slot, "module", None, "", (), 0,
                                             tensor=args[0].detach().clone()))
             return tap_in
 
@@ -720,7 +445,7 @@ class Recorder:
             t = out if isinstance(out, torch.Tensor) else next(
                 (v for s, v in flatten(out) if s == slot), None)
             if t is not None:
-                pending.append(_Pending(module, role, slot, "module", None, "", (), 0,
+                pending.append(Pending(module, role, slot, "module", None, "", (), 0,
                                         tensor=t.detach().clone()))
         return tap_out
 
@@ -730,7 +455,7 @@ class Recorder:
             def hook_graph(_mod, *args):
                 obj = args[-1] if role == "out" else inputs_of(args)
                 for slot, t in flatten(obj):
-                    pending.append(_Pending(name, role, slot, "module", None, "", (), 0,
+                    pending.append(Pending(name, role, slot, "module", None, "", (), 0,
                                             tensor=t.detach().clone()))
             return hook_graph
 
@@ -739,7 +464,7 @@ class Recorder:
             def enter_eager(_mod, args, kwargs):
                 if self._pause:
                     return None
-                stack.append(_Frame(name, *open_call(name, args, kwargs)))
+                stack.append(Frame(name, *open_call(name, args, kwargs)))
                 return None
             return enter_eager
 
@@ -837,7 +562,7 @@ class Recorder:
             return None
         return exit_eager
 
-    def pop_frame(self, name: str) -> _Frame | None:
+    def pop_frame(self, name: str) -> Frame | None:
         """Remove `name`'s innermost open call (and any call left open above it by a child that
         raised); None when `name` has no open call."""
         for i in range(len(self._stack) - 1, -1, -1):
@@ -908,7 +633,7 @@ class Recorder:
         self._pending.clear()
         self._producers.clear()  # links never cross a step
         if logits is not None:
-            items.append(_Pending(LOGITS_MODULE, "out", "0", "logits", None, "", (), 0,
+            items.append(Pending(LOGITS_MODULE, "out", "0", "logits", None, "", (), 0,
                                   tensor=logits.detach()))
         for p in items:
             t = p.tensor
@@ -946,7 +671,7 @@ class Recorder:
                                         else h)
         checksums = rows[:, 7].astype(np.int64).tolist()
         calls: dict[tuple[str, str, str], int] = {}
-        sites: dict[_Pending, str] = {}  # producers' sites (_Pending hashes by identity)
+        sites: dict[Pending, str] = {}  # producers' sites (Pending hashes by identity)
         head = f"r{self._req}.s{self._step}:"
         links_json = self._links_json
         keys: list[str] = []
@@ -996,11 +721,3 @@ class Recorder:
                     share=p.share)
         self.writer.flush()
         return len(items)
-
-
-def inputs_of(args: tuple) -> dict:
-    """Forward-pre-hook (with_kwargs) arguments `(positional, kwargs)` as one dict."""
-    pos, kw = args
-    out = {str(i): v for i, v in enumerate(pos)}
-    out.update(kw or {})
-    return out

@@ -37,7 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.recorder import Recorder, _Frame, flatten
+from accucheck.capture.links import Frame
+from accucheck.capture.recorder import Recorder
+from accucheck.capture.selection import flatten
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureReader, CaptureWriter, open_capture
@@ -210,7 +212,7 @@ class ShadowRecorder(Recorder):
                 return None
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
-            self._stack.append(_Frame(name, n))
+            self._stack.append(Frame(name, n))
             return None
         return pre
 

@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from accucheck.capture.recorder import (finish_stats, flatten, inputs_of, select_modules,
-                                        to_host)
-from accucheck.capture.stats import tensor_rows
+from accucheck.capture.recorder import finish_stats
+from accucheck.capture.selection import flatten, inputs_of, select_modules
+from accucheck.capture.stats import tensor_rows, to_host
 from accucheck.keys import is_layer_block, layer_of
 from accucheck.store import bf16_bits_to_float32
 

@@ -50,8 +50,7 @@ from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetri
                                        topk_overlap)
 from accucheck.compare.mapping import MappedCapture, mapping_table, maybe_mapped
 from accucheck.compare.opmatch import OpAlignment, align_captures
-# tensor-parallel records (kept importable from here)
-from accucheck.compare.shards import ShardGroup, _base_key, rank_notes, rank_pairs  # noqa: F401
+from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import (JUDGED_ELSEWHERE, RoutingResult, apply_routing,
