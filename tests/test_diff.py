@@ -350,7 +350,7 @@ def test_stats_capture_reports_the_bound_as_the_error(tmp_path):
 
 
 def test_near_tie_is_margin_at_most_noise():
-    from accucheck.compare.diff import LogitsPosition, TokenFlip
+    from accucheck.compare.results import LogitsPosition, TokenFlip
 
     def pos(margin, noise):
         return LogitsPosition(0, 0.0, 0, 1, 1.0, margin, noise)

@@ -3,7 +3,7 @@ errors and control errors, no files. Each case is one where a plausible wrong ru
 another record."""
 from __future__ import annotations
 
-from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.tolerances import Tolerance
 from accucheck.keys import RecordKey

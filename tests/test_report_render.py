@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from accucheck.compare.diff import (GoldenLabel, LogitsPosition, LogitsStep, MissingKey,
-                                    StatsDelta, TokenFlip)
+from accucheck.compare.results import (GoldenLabel, LogitsPosition, LogitsStep, MissingKey,
+                                       StatsDelta, TokenFlip)
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.opmatch import OneSided, OpAlignment, OpMatch
 from accucheck.keys import RecordKey

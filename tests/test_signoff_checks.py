@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
-from accucheck.compare.diff import LogitsPosition, LogitsStep, StatsDelta, TokenFlip
+from accucheck.compare.results import LogitsPosition, LogitsStep, StatsDelta, TokenFlip
 from accucheck.keys import RecordKey
 from accucheck.signoff.run import (_change, _unnum, compare_previous, headline, judge,
                                    token_stats)

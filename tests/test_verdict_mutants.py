@@ -11,7 +11,7 @@ import math
 import pytest
 
 from accucheck.verdict.culprit import Culprit, culprit_lines, find_culprit, precision_finding
-from accucheck.compare.diff import DiffResult, GoldenLabel, RecordDiff
+from accucheck.compare.results import DiffResult, GoldenLabel, RecordDiff
 from accucheck.keys import RecordKey
 from accucheck.verdict.locate import (Analysis, Divergence, Location, RecordLocation, Suspicious,
                                       locate, noise_floor)
@@ -128,7 +128,7 @@ def test_diff_records_are_frozen_and_keep_their_basis_invariants():
     """compare.diff's records (StatsDelta, GoldenLabel, RecordDiff) cannot be changed once
     made, and a RecordDiff refuses an unknown basis and metrics / statistics that do not go
     with its basis, each in its own words."""
-    from accucheck.compare.diff import StatsDelta
+    from accucheck.compare.results import StatsDelta
 
     k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
     sd = StatsDelta(False, 0.25, "l2", 0)
@@ -160,7 +160,7 @@ def test_record_within_needs_both_bases_of_a_sample_and_a_real_golden_label():
     """A stats-mode record (basis "sample") is within tolerance only when its statistics bound
     AND its sampled estimate are; a golden label of "n/a" (no exact tensors on one side) is no
     referee: the tolerance decides."""
-    from accucheck.compare.diff import StatsDelta
+    from accucheck.compare.results import StatsDelta
 
     k = RecordKey.parse("r0.s0:m.layers.0.a#0:out.0")
     kw = dict(key=k, kind="module", order=0, ref_dtype="float32", cand_dtype="float32",
@@ -178,9 +178,10 @@ def test_record_within_needs_both_bases_of_a_sample_and_a_real_golden_label():
 
 
 def test_every_diff_result_type_is_frozen():
-    """Everything compare.diff returns is shared by locate, culprit and the reports, so none
-    of it can be changed once made (dataclasses.FrozenInstanceError on assignment)."""
-    import accucheck.compare.diff as d
+    """Everything compare.diff returns (compare.results) is shared by locate, culprit and the
+    reports, so none of it can be changed once made (dataclasses.FrozenInstanceError on
+    assignment)."""
+    import accucheck.compare.results as d
 
     types = [v for v in vars(d).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
              and v.__module__ == d.__name__]
@@ -194,7 +195,7 @@ def test_every_diff_result_type_is_frozen():
 
 def test_logits_step_summaries_with_and_without_positions():
     k = RecordKey.parse("r0.s0:logits#0:out.0")
-    from accucheck.compare.diff import LogitsPosition, LogitsStep
+    from accucheck.compare.results import LogitsPosition, LogitsStep
 
     assert LogitsStep(k, ()).max_kl == 0.0 and LogitsStep(k, ()).top1_agreement == 1.0
     ps = (LogitsPosition(0, 0.25, 3, 3, 1.0, 2.0, 0.1), LogitsPosition(1, 0.5, 3, 4, 0.8, 0.1, 0.1),
@@ -206,7 +207,7 @@ def test_logits_step_summaries_with_and_without_positions():
 
 
 def test_token_flip_label_needs_both_margin_and_noise():
-    from accucheck.compare.diff import TokenFlip
+    from accucheck.compare.results import TokenFlip
 
     def flip(margin, noise):
         return TokenFlip(0, 1, 5, 10, 11, margin, noise, True, "logits")
@@ -231,7 +232,8 @@ def test_flips_merge_the_generated_ids_flip_with_the_logits_ones():
     """compare.diff's flip list: a generated-id flip the stored logits already show is not
     listed twice; one they do not show is added, and it is the first flip when it comes
     earlier (request, step) than every logits flip."""
-    from accucheck.compare.diff import LogitsPosition, LogitsStep, TokenFlip, _Differ
+    from accucheck.compare.diff import _Differ
+    from accucheck.compare.results import LogitsPosition, LogitsStep, TokenFlip
 
     def step(s, flip_at):  # three positions, the last one generating
         return LogitsStep(RecordKey.parse(f"r0.s{s}:logits#0:out.0"), tuple(

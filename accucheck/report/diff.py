@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from accucheck.compare.diff import DiffResult, LogitsStep, RecordDiff, TokenFlip
+from accucheck.compare.results import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
 from accucheck.compare.tolerances import CONTROL_ORIGIN
 from accucheck.verdict.locate import Analysis

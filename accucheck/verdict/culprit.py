@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from accucheck.compare.diff import RecordDiff
+from accucheck.compare.results import RecordDiff
 from accucheck.compare.opmatch import op_ident
 from accucheck.compare.routing import flip_line
 from accucheck.compare.tolerances import CONTROL_ORIGIN

@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.keys import RecordKey
 from accucheck.verdict.types import RecordLocation
 

@@ -44,7 +44,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from accucheck.compare.diff import DiffResult, Progress, RecordDiff, diff_captures
+from accucheck.compare.diff import Progress, diff_captures
+from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                           NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from accucheck.compare.diff import DiffResult, RecordDiff
+from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
                                           CONTROL_MIN_RATIO, CONTROL_ORIGIN,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from accucheck.compare.diff import DiffResult
+from accucheck.compare.results import DiffResult
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.routing import RoutingFlip
 from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z
