@@ -162,7 +162,7 @@ def test_regression_against_last_release(identical, fault, tmp_path):
 
 @pytest.mark.slow
 def test_plots_are_images_of_the_data(identical, fault):
-    from accucheck.report.signoff import PLOTS, make_plots
+    from accucheck.report.plots import PLOTS, make_plots
 
     a, _ = make_plots(identical[0])
     b, _ = make_plots(fault[0])

@@ -196,3 +196,25 @@ def fmt_number(x: float | int | None) -> str:
     if x == 0:
         return "0"
     return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+def fmt_pct(x: float | None) -> str:
+    """A fraction as the sign-off reports write it: "-" for None, one decimal of a percent."""
+    return "-" if x is None else f"{x:.1%}"
+
+
+WORST_ROWS = 12
+
+
+def worst_records(r: SignoffResult) -> list:
+    """Records over tolerance that introduce their error first (the culprit leads), then the
+    rest by error / tolerance."""
+    a = r.analysis
+    locs = {str(x.key): x for x in a.location.records}
+    fd = a.location.first_divergence
+
+    def rank(x):
+        first = fd is not None and x.key == fd.key
+        intro = locs[str(x.key)].cause == "introduced"
+        return (not first, not intro, -(x.error / max(x.tolerance.rel_l2, 1e-300)))
+    return sorted((x for x in a.diff.records if x.key.role != "in"), key=rank)[:WORST_ROWS]
