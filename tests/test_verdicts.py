@@ -540,6 +540,22 @@ def test_noise_floor_compares_within_request_and_step_and_sorts(tmp_path):
     assert s.ratio == pytest.approx(s.gain / s.peers_median, rel=1e-12)
 
 
+def test_noise_floor_judges_the_site_over_its_requests(tmp_path):
+    """Three requests. One token's rounding: layer 4's down_proj amplifies x20 in request 1
+    alone (x1 in requests 0 and 2): an outlier record, not an outlier site: not suspicious.
+    A kernel's defect: x20 in every request: suspicious in each."""
+    def run_with(gains_by_req):
+        run = Run(6)
+        for req, g in enumerate(gains_by_req):
+            run.add(f"r{req}.s0:model.embed_tokens#0:out.0", 1e-3)
+            _down_projs(run, [1, 1, 1, 1, g, 1], req=req)
+        return _sus(run, tmp_path)[0]
+
+    assert run_with([1, 20, 1]) == []
+    assert run_with([20, 20, 20]) == [f"r{q}.s0:model.layers.4.mlp.down_proj#0:out.0"
+                                      for q in range(3)]
+
+
 def test_noise_floor_leaves_out_what_follows_the_first_divergence(tmp_path):
     run = Run(5)
     run.add("r0.s0:model.embed_tokens#0:out.0", 1e-3)

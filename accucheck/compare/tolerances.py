@@ -59,6 +59,16 @@ DEFAULT_AMPLIFICATION = 4.0
 # Calibration on SmolLM2-135M (30 layers), float32 vs bfloat16: the largest natural ratio to
 # the peers' median is 2.2 (tests/test_real_model.py re-measures it).
 NOISE_FLOOR_FACTOR = 5.0
+# Peer gate (verdict.locate.peer_gate, no control and no golden referee): the first record over
+# tolerance that introduces error is named a culprit only when its site stands out: the median,
+# over the site's prefill records or over its decode records, of its local error / its peers'
+# median local error (the noise floor's peers, at least NOISE_FLOOR_MIN_PEERS; floored at
+# NOISE_FLOOR_MIN_FRACTION x the tolerance) is above PEER_GATE; else it is
+# noise-like and no culprit is named. Chosen from the cached runs of bench/bench_control.py
+# (float32 vs bfloat16 SmolLM2): the first such site of clean pairs stood at 0.8-1.7x its
+# peers, at most 3.2x (an attention core at layer 2); a planted norm fault at x2 its natural
+# noise at 3.9-8.7x, at x4 at 6.5x and more (docs/control.md has the measured rates).
+PEER_GATE = 4.0
 # Control rule (verdict.noise, with --control): a site (a record key without request and
 # step) is "more than noise" when the geometric mean over its records of its excess ratio
 # (its error / the control's, over what feeds it) stands CONTROL_Z spreads above its kind's

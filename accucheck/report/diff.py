@@ -15,7 +15,7 @@ from typing import Any
 
 from accucheck.compare.results import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
-from accucheck.compare.tolerances import CONTROL_ORIGIN
+from accucheck.compare.tolerances import CONTROL_ORIGIN, PEER_GATE
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
@@ -128,6 +128,14 @@ def verdict_line(a: Analysis) -> str:
             sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
                    f"of their peers, first {x.key}: amplifies its input error x{_g(x.gain)}, "
                    f"peers x{_g(x.peers_median)}")
+        if L.noise_like is not None:
+            n = L.noise_like
+            return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
+                    f"error, {n.key} (local rel_l2 {_g(n.local)}), is at a site that "
+                    f"introduces {_g(n.ratio)}x what its peers do (a culprit stands out > "
+                    f"{_g(PEER_GATE)}x): rounding noise of the dtype, or a defect every "
+                    f"{n.kind} shares; no culprit named: a control run (capture --control-for "
+                    f"REF, then diff --control) tells which{sus}{weaker}")
         return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
                 f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {_g(fo.error)}, "
                 f"input rel_l2 {inp}{largest} [tolerance {_g(fo.tolerance)}]; no culprit "
@@ -297,6 +305,11 @@ def to_json(a: Analysis) -> dict:
                            for r, s in d.compared_steps],
         "first_divergence": div(L.first_divergence),
         "diffuse": L.diffuse,
+        "noise_like": None if L.noise_like is None else {
+            "key": str(L.noise_like.key), "error": L.noise_like.error,
+            "local": L.noise_like.local, "peers_median": L.noise_like.peers_median,
+            "peers": L.noise_like.peers, "kind": L.noise_like.kind, "ratio": L.noise_like.ratio,
+            "records": L.noise_like.records, "gate": PEER_GATE},
         "first_over": div(L.first_over),
         "worst": div(L.worst),
         "first_difference": div(L.first_difference),
@@ -381,6 +394,18 @@ def to_text(a: Analysis, md: bool = False) -> str:
         from accucheck.verdict.culprit import culprit_lines
 
         out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
+    elif L.noise_like is not None:
+        n, wo = L.noise_like, L.worst
+        out += ["", ("### " if md else "") + "No culprit",
+                f"The first record to introduce error over tolerance, {n.key}, introduces "
+                f"{_g(n.local)} (local rel_l2; its {n.peers} peers {_g(n.peers_median)}, median). "
+                f"Over its site's {n.records} request(s) and step(s), it introduces {_g(n.ratio)}x "
+                f"what its peers ({n.kind}) do, median; a culprit stands out by more than "
+                f"{_g(PEER_GATE)}x. This is what rounding noise at this dtype looks like in a "
+                f"deep model (or a defect that every {n.kind} shares). Largest at {_where(wo)}: "
+                f"rel_l2 {_g(wo.error)}. A control run judges at the noise scale: `accucheck "
+                f"capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck diff REF CAND "
+                f"--control ctl.h5` (docs/control.md)."]
     elif L.diffuse:
         wo = L.worst
         out += ["", ("### " if md else "") + "No culprit",

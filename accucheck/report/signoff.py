@@ -306,9 +306,13 @@ def divergence_lines(r: SignoffResult) -> list[str]:
     fd = L.first_divergence
     if fd is None and L.diffuse:
         fo, wo = L.first_over, L.worst
-        return [f"No culprit: {len(a.diff.failed)} records over tolerance, but each is explained "
-                f"by what feeds it (diffuse / inherited error, "
-                f"x{fmt_number(L.amplification)} rule).",
+        head = (f"No culprit: {len(a.diff.failed)} records over tolerance, but each is "
+                f"explained by what feeds it (diffuse / inherited error, "
+                f"x{fmt_number(L.amplification)} rule).") if L.noise_like is None else \
+            (f"No culprit: {len(a.diff.failed)} records over tolerance; "
+             f"{L.no_culprit_reason}: rounding noise of the dtype, or a defect every "
+             f"{L.noise_like.kind} shares; a [control] run tells which.")
+        return [head,
                 f"First over tolerance: {fo.module} (step {fo.step}, request {fo.key.req}), "
                 f"rel_l2 {fmt_number(fo.error)}; largest: {wo.module} (step {wo.step}, request "
                 f"{wo.key.req}), rel_l2 {fmt_number(wo.error)} "

@@ -173,8 +173,12 @@ class SignoffResult:
             sus = self.analysis.location.suspicious
             up = (f"; SUSPICIOUS upstream: {sus[0].key.module} ({sus[0].key}, x"
                   f"{fmt_number(sus[0].ratio)} its peers)" if sus else "")
+            nl = self.analysis.location.noise_like
             why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
-                       f" first at step {fo.step} {fo.module}; no culprit named{up}")
+                       f" first at step {fo.step} {fo.module}; no culprit named{up}"
+                       if nl is None else
+                       f"error over tolerance, first at step {fo.step} {fo.module}; no culprit "
+                       f"named ({self.analysis.location.no_culprit_reason}){up}")
         for c in self.failed_checks:
             if c.name in ("records", "noise") and (fd is not None
                                                    or self.analysis.location.diffuse):

@@ -402,7 +402,8 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
     if fd is not None:
         detail += f", first introduced at step {fd.step} {fd.module}"
     elif a.location.diffuse:
-        detail += ", none introduced (diffuse / inherited)"
+        detail += ", none introduced (diffuse / inherited)" if a.location.noise_like is None \
+            else f", no culprit ({a.location.no_culprit_reason})"
     if d.basis in ("stats", "sample", "mixed"):
         detail += " [statistics / samples only: a bound and an estimate, a pass is weaker]"
     noise = a.location.noise

@@ -21,6 +21,13 @@ module's uncovered code (the attention core, seen at o_proj's input). When recor
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
+Peer gate (no control, no golden referee): the first record over tolerance that introduces
+error is the first divergence only when its site's local error stands out from its peers'
+(more than PEER_GATE x their median, over the site's prefill or decode records:
+`peer_gate`); else it is `noise_like` and no culprit is named. In a bfloat16 run of a deep model every layer's norms
+go over a float32 tolerance by rounding alone: without the gate, every clean SmolLM2 pair
+named one of them (docs/control.md).
+
 First difference: when the first records in execution order are identical on both sides
 (eager vs graph on one machine: the compiled program computes the same up to a point), the
 first record that is not, within tolerance or not (`first_difference`); None when the very
@@ -49,7 +56,7 @@ from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                           NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
-                                          NOISE_FLOOR_WINDOW, ToleranceTable)
+                                          NOISE_FLOOR_WINDOW, PEER_GATE, ToleranceTable)
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
 from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind  # noqa: F401
 from accucheck.verdict.culprit import find_culprit
@@ -57,7 +64,7 @@ from accucheck.verdict.flow import trace
 from accucheck.verdict.noise import judge
 # the records live in verdict.types (culprit reads them too); kept importable from here
 from accucheck.verdict.types import (INPUT_BASES, Divergence, LayerPoint, Location,  # noqa: F401
-                                     RecordLocation, Suspicious)
+                                     NoiseLike, RecordLocation, Suspicious)
 
 
 @dataclass(frozen=True)
@@ -118,8 +125,13 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
 
     ordered = sorted(diff.records, key=lambda r: (r.key.step, r.key.req, r.order))
     over = [r for r in ordered if not r.within and not locs[str(r.key)].unattributed]
+    noise_like = None
     if noise is None:
         intro = next((r for r in over if locs[str(r.key)].cause == "introduced"), None)
+        if intro is not None and diff.golden_path is None:
+            noise_like = peer_gate(diff, locs, intro)
+            if noise_like is not None:
+                intro = None
     else:  # the control decides: its first site more than noise
         intro = diff.record(noise.lead.key) if noise.lead is not None else None
     # a real MoE routing flip (compare.routing) before it is the divergence: the router's logits
@@ -169,11 +181,61 @@ def locate(diff: DiffResult, *, amplification: float = DEFAULT_AMPLIFICATION,
     site = noise.lead if noise is not None and rflip is None else None
     return Location(divergence(intro, site, rflip), records, tuple(ranked), curve, amplification,
                     divergence(over[0] if over else None), divergence(worst), sus,
-                    divergence(differs), noise)
+                    divergence(differs), noise, noise_like)
 
 
 def _first_slot(key: RecordKey) -> bool:
     return key.slot in ("0", "hidden_states") or key.slot.split(".")[0] == "0"
+
+
+def peer_gate(diff: DiffResult, locs: dict[str, RecordLocation], r: RecordDiff, *,
+              factor: float = PEER_GATE, min_peers: int = NOISE_FLOOR_MIN_PEERS,
+              window: int = NOISE_FLOOR_WINDOW) -> NoiseLike | None:
+    """`r` (the first record over tolerance that introduces error; no control, no golden) as
+    noise-like, or None when it may be named. Each record of `r`'s site (every request and
+    step) is set against its peers (the noise floor's: same module kind, operator and slot
+    within `window` layers, same request and step; at least `min_peers`): its local error over
+    their median local error (floored at NOISE_FLOOR_MIN_FRACTION x the tolerance: peers
+    that introduce nothing, containers whose children explain them, make no infinite ratio).
+    Noise-like: the median of that ratio over the site's prefill
+    records, and over its decode records (other kernels), are both at most `factor`. A kernel
+    fault raises every record of its site; rounding noise that pushes one record over the
+    tolerance first does not (in a bf16 run of a deep model, some layer's norm always does).
+    Both phases count: a fault's consequences raise the local error of the layers after it at
+    the prefill (its peers there), much less at a decode step. A record
+    without a layer or a site without enough peers (logits, the embeddings) is not judged."""
+    layer = layer_of(r.key.module)
+    if layer is None:
+        return None
+    kind = peer_kind(r.key)
+    by_step: dict[tuple[int, int], list[tuple[str, int, float]]] = {}
+    for x in diff.records:
+        if x.basis == "shape" or x.routing in JUDGED_ELSEWHERE or peer_kind(x.key) != kind:
+            continue
+        ly = layer_of(x.key.module)
+        if ly is not None:
+            by_step.setdefault((x.key.req, x.key.step), []).append(
+                (x.key.site, ly, locs[str(x.key)].introduced))
+    # a local error under the noise floor's smallest judged one is no error to stand out from
+    floor = NOISE_FLOOR_MIN_FRACTION * r.tolerance.rel_l2
+    ratios: dict[bool, list[float]] = {}
+    first = None
+    for (req, step), items in by_step.items():
+        own = [e for site, ly, e in items if site == r.key.site]
+        peers = [e for site, ly, e in items if site != r.key.site and abs(ly - layer) <= window]
+        if not own or len(peers) < min_peers:
+            continue
+        med = statistics.median(peers)
+        ratios.setdefault(_phase(step), []).append(own[0] / max(med, floor))
+        if (req, step) == (r.key.req, r.key.step):
+            first = (med, len(peers))
+    if first is None:
+        return None
+    ratio = max(statistics.median(x) for x in ratios.values())
+    if ratio > factor:
+        return None
+    return NoiseLike(r.key, r.error, locs[str(r.key)].introduced, first[0], first[1], kind,
+                     r.tolerance.rel_l2, ratio, sum(map(len, ratios.values())))
 
 
 def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
@@ -190,9 +252,12 @@ def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
     residual stream's outlier channels turns a 0.1 % input error into 2 % in a float32 vs
     bfloat16 run, in every deep layer), so a record is compared with the same module nearby,
     never with a fixed number. Suspicious: a gain above `amplification` (it would be
-    "introduced") and above `factor` x max(1, the peers' median gain), and a local error (error
-    - explained) above `min_fraction` x its tolerance. Fewer than `min_peers` peers: not
-    judged. Records introduced over tolerance are left out: they are the first divergence."""
+    "introduced") and above `factor` x max(1, the peers' median gain), a local error (error -
+    explained) above `min_fraction` x its tolerance, and a site that stands out: the median of
+    that ratio over the site's records of the same phase (prefill / decode) is above `factor`
+    too (one token's rounding makes an outlier record, a kernel's defect makes an outlier
+    site). Fewer than `min_peers` peers: not judged. Records introduced over tolerance are left
+    out: they are the first divergence."""
     groups: dict[tuple, list[tuple[RecordDiff, RecordLocation, float, int]]] = {}
     for r in diff.records:
         layer = layer_of(r.key.module)
@@ -209,22 +274,39 @@ def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
             gain = r.error / e if e else (math.inf if r.error > 0 else 1.0)
         groups.setdefault((peer_kind(r.key), r.key.req, r.key.step), []).append(
             (r, loc, gain, layer))
-    out = []
-    for (kind, _, _), items in groups.items():
+    # every record's gain over its peers' median, and the median of that over its site's
+    # records of one phase: a kernel's defect shows in every call, one token's rounding does not
+    judged: dict[str, tuple[float, float, int]] = {}  # key -> (ratio, peers' median, peers)
+    by_site: dict[tuple[str, bool], list[float]] = {}
+    for items in groups.values():
         for r, loc, gain, layer in items:
-            if loc.cause == "introduced" or loc.introduced <= min_fraction * r.tolerance.rel_l2:
-                continue
-            if r.shadow is None and gain <= amplification:
-                continue
             peers = [g for x, _, g, ly in items
                      if x.key.site != r.key.site and abs(ly - layer) <= window]
             if len(peers) < min_peers:
                 continue
             med = statistics.median(peers)
-            if gain > factor * (med if r.shadow is not None else max(med, 1.0)):
-                out.append(Suspicious(r.key, r.error, loc.introduced, gain, med, len(peers),
-                                      kind, r.tolerance.rel_l2, r.within))
+            floor = med if r.shadow is not None else max(med, 1.0)
+            ratio = gain / floor if floor > 0 else math.inf if gain > 0 else 1.0
+            judged[str(r.key)] = (ratio, med, len(peers))
+            by_site.setdefault((r.key.site, _phase(r.key.step)), []).append(ratio)
+    out = []
+    for (kind, _, _), items in groups.items():
+        for r, loc, gain, layer in items:
+            if loc.cause == "introduced" or loc.introduced <= min_fraction * r.tolerance.rel_l2:
+                continue
+            if (r.shadow is None and gain <= amplification) or str(r.key) not in judged:
+                continue
+            ratio, med, n = judged[str(r.key)]
+            if ratio > factor and \
+                    statistics.median(by_site[(r.key.site, _phase(r.key.step))]) > factor:
+                out.append(Suspicious(r.key, r.error, loc.introduced, gain, med, n, kind,
+                                      r.tolerance.rel_l2, r.within))
     order = {str(r.key): r.order for r in diff.records}
     return tuple(sorted(out, key=lambda s: (s.key.step, s.key.req, order[str(s.key)])))
+
+
+def _phase(step: int) -> bool:
+    """Decode (True) or prefill (False): other kernels, other noise."""
+    return step > 0
 
 

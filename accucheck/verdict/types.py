@@ -14,7 +14,7 @@ from typing import Protocol
 from accucheck.compare.results import DiffResult
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.routing import RoutingFlip
-from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z
+from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z, PEER_GATE
 from accucheck.keys import RecordKey
 
 INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
@@ -97,6 +97,23 @@ class Suspicious:
 
 
 @dataclass(frozen=True)
+class NoiseLike:
+    """The first record over tolerance that introduces error, when its site introduces no more
+    than PEER_GATE x what its peers do (no control, no golden referee; verdict.locate's peer
+    gate): rounding noise of the dtype, or a defect shared by every module of its kind; no
+    culprit is named for it."""
+    key: RecordKey
+    error: float
+    local: float                  # its local error (RecordLocation.introduced)
+    peers_median: float           # its peers' median local error (same request and step)
+    peers: int
+    kind: str
+    tolerance: float
+    ratio: float                  # its site's local error / its peers', median over `records`
+    records: int                  # the site's records with enough peers
+
+
+@dataclass(frozen=True)
 class RecordNoise:
     """One record against the control runs."""
     key: RecordKey
@@ -176,13 +193,27 @@ class Location:
     # graph: where the compiled program starts to compute otherwise); within tolerance too
     first_difference: Divergence | None = None
     noise: NoiseVerdict | None = None     # the control rule (verdict.noise), with --control
+    # no control, no golden: the first record to introduce error, not named because it
+    # introduces no more than its peers do (verdict.locate's peer gate)
+    noise_like: NoiseLike | None = None
 
     @property
     def diffuse(self) -> bool:
-        """Records are over tolerance, but none introduces the error (inherited / gradual).
-        Never with control runs: there the control rule decides, not the tolerance."""
+        """Records are over tolerance, but no record is named: none introduces the error
+        (inherited / gradual), or the first that does is `noise_like`. Never with control
+        runs: there the control rule decides, not the tolerance."""
         return self.first_divergence is None and self.first_over is not None \
             and self.noise is None
+
+    @property
+    def no_culprit_reason(self) -> str:
+        """Why a diffuse failure names no culprit, in a few words for the reports."""
+        n = self.noise_like
+        if n is None:
+            return "diffuse / inherited"
+        return (f"noise-like: the first record to introduce error, {n.key}, is at a site "
+                f"that introduces {n.ratio:.2g}x what its peers do (a culprit stands out: "
+                f"> {PEER_GATE:g}x)")
 
 
 class Located(Protocol):
