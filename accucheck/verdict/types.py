@@ -1,9 +1,11 @@
 """The verdict's records: where each record's error comes from (`RecordLocation`), the first
-divergence (`Divergence`), noise-floor outliers (`Suspicious`), the control rule's records
-(`RecordNoise`, `NoiseSite`, `NoiseVerdict`), the layer curve (`LayerPoint`) and `Location`,
-which holds them all. Data only: imports keys, compare.diff, compare.metrics and
-compare.tolerances (types and constants); locate makes them, culprit and the reports read them, and neither imports the other
-for them. `Located` is what culprit reads: a diff and its location (`locate.Analysis` is one).
+divergence (`Divergence`), noise-floor outliers (`Suspicious`), the first introduced record
+the peer gate did not name (`NoiseLike`), the control rule's records (`RecordNoise`,
+`NoiseSite`, `NoiseVerdict`), the layer curve (`LayerPoint`) and `Location`, which holds them
+all. Data only: imports keys, compare.results, compare.metrics, compare.routing and
+compare.tolerances (types and constants); locate makes them, culprit and the reports read
+them, and neither imports the other for them. `Located` is what culprit reads: a diff and its
+location (`locate.Analysis` is one).
 """
 from __future__ import annotations
 
