@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.stats import StepStats, _no_modes, to_host
+from accucheck.capture.stats import StepStats, _no_modes, tensor_rows, to_host
 from accucheck.capture.links import (Frame, Pending, Producers, identity, plain_storage,
                                      view_of, weak_expired, weak_free)
 from accucheck.capture.selection import call_slots, flatten, inputs_of
@@ -84,6 +84,22 @@ def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) ->
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
+               ) -> list[tuple[np.ndarray, int]]:
+    """(stored statistics row, checksum) per tensor, with one device-to-host transfer
+    (accucheck.capture.stats: a staging copy per tensor and a dozen kernels per dtype / size
+    on the GPU / NPU, one C pass per tensor on the CPU)."""
+    if not tensors:
+        return []
+    raw = tensor_rows(tensors)
+    out = []
+    for t, host, row in zip(tensors, hosts, raw):
+        vals = bf16_bits_to_float32(host) if host is not None and t.dtype == torch.bfloat16 \
+            else host
+        out.append((finish_stats(row, t.numel(), vals), int(row[7])))
+    return out
 
 
 def dtype_name(t: torch.Tensor) -> str:

@@ -40,11 +40,10 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from accucheck.capture.recorder import finish_stats
+from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
-from accucheck.capture.stats import tensor_rows, to_host
+from accucheck.capture.stats import to_host
 from accucheck.keys import is_layer_block, layer_of
-from accucheck.store import bf16_bits_to_float32
 
 ENV = "ACCUCHECK_VLLM_CAPTURE"
 REQ_ARG = "accucheck_req"        # SamplingParams.extra_args key: request index in the capture
@@ -66,16 +65,18 @@ class PluginConfig:
     record_inputs: bool = False
     graph: bool = False
     full: bool = False
-    # accucheck's own tests only (tests/test_vllm_tp.py): a fault on one rank, applied in that
-    # worker process: {"rank": r, "silent": true} records nothing, {"rank": r, "exit_at": k}
-    # ends the process at its k-th forward, {"rank": r, "scale": [module, factor]} scales that
-    # module's output
+    # accucheck's own tests only (tests/test_vllm_tp.py, tests/test_matrix_vllm.py): a fault on
+    # one rank, applied in that worker process: {"rank": r, "silent": true} records nothing,
+    # {"rank": r, "exit_at": k} ends the process at its k-th forward, the rest as
+    # `plant_test_fault` says
     test_fault: dict | None = None
+    record: bool = True  # False: plant test_fault only, record nothing
 
     def to_env(self) -> str:
         return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
                            "record_inputs": self.record_inputs, "graph": self.graph,
-                           "full": self.full, "test_fault": self.test_fault})
+                           "full": self.full, "test_fault": self.test_fault,
+                           "record": self.record})
 
     @classmethod
     def from_env(cls) -> "PluginConfig | None":
@@ -85,7 +86,7 @@ class PluginConfig:
         d = json.loads(raw)
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
                    bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")),
-                   d.get("test_fault"))
+                   d.get("test_fault"), bool(d.get("record", True)))
 
 
 @dataclass
@@ -167,8 +168,12 @@ def _wrap_load_model(orig):
             self._accucheck_depth = depth
         if depth == 0 and getattr(self, "_accucheck", None) is None:
             cfg = PluginConfig.from_env()
-            if cfg is not None:
+            if cfg is not None and cfg.record:
                 self._accucheck = Collector(self, cfg)
+            elif cfg is not None and cfg.test_fault:  # a matrix run of accucheck's own tests
+                fault = cfg.test_fault
+                if int(fault.get("rank", -1)) == _tp_rank_size()[0]:
+                    plant_test_fault(self, dict(self.model.named_modules()), fault)
         return result
     load_model.__wrapped__ = orig
     return load_model
@@ -223,23 +228,7 @@ class Collector:
         fault = cfg.test_fault or {}
         self._fault = fault if int(fault.get("rank", -1)) == self.rank else {}
         self._forwards = 0
-        if self._fault.get("scale"):  # before the capture hooks: they see the scaled output
-            target, factor = self._fault["scale"]
-            by_name[target].register_forward_hook(
-                lambda _m, _a, o: (o[0] * factor, *o[1:]) if isinstance(o, tuple) else o * factor)
-        if self._fault.get("scale_part"):  # columns [a, b) of a fused output (k of q|k|v)
-            target, a, b, factor = self._fault["scale_part"]
-
-            def part(_m, _a, o, a=int(a), b=int(b), f=float(factor)):
-                x = o[0] if isinstance(o, tuple) else o
-                x = x.clone()
-                x[..., a:b] *= f
-                return (x, *o[1:]) if isinstance(o, tuple) else x
-            by_name[target].register_forward_hook(part)
-        swapped = by_name.get(self._fault.get("swap_kv") or "")
-        if swapped is not None and getattr(swapped, "weight", None) is not None \
-                and swapped.weight.numel():  # a weight-layout bug (unless swapped at packing)
-            swap_kv_rows(swapped)
+        plant_test_fault(runner, by_name, self._fault)  # before the capture hooks: they see it
         # the weights, under transformers' names (fused ones cut): sent once, with the records
         self.weights: dict | None = vllm_weight_table(self.model, self.tp_size)
         # MoE: (experts path, gate path) of every fused MoE layer whose router is selected
@@ -485,22 +474,6 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
     return out
 
 
-def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
-               ) -> list[tuple[np.ndarray, int]]:
-    """(stored statistics row, checksum) per tensor, with one device-to-host transfer
-    (accucheck.capture.stats: a staging copy per tensor and a dozen kernels per dtype / size
-    on the GPU / NPU, one C pass per tensor on the CPU)."""
-    if not tensors:
-        return []
-    raw = tensor_rows(tensors)
-    out = []
-    for t, host, row in zip(tensors, hosts, raw):
-        vals = bf16_bits_to_float32(host) if host is not None and t.dtype == torch.bfloat16 \
-            else host
-        out.append((finish_stats(row, t.numel(), vals), int(row[7])))
-    return out
-
-
 def _fused_parts(mod: torch.nn.Module) -> list[tuple[str, int]] | None:
     """This rank's rows of a fused layer's weight, in order: [(transformers leaf, rows)]."""
     kind = type(mod).__name__
@@ -605,6 +578,44 @@ def swap_kv_rows(mod: torch.nn.Module) -> None:
         k = w[q:q + kv].clone()
         w[q:q + kv] = w[q + kv:q + 2 * kv]
         w[q + kv:q + 2 * kv] = k
+
+
+def plant_test_fault(runner, by_name: dict, fault: dict) -> None:
+    """accucheck's own tests: plant `fault` (this rank's) in the runner's model.
+    {"scale": [module, f]} scales the module's output; {"scale_part": [module, a, b, f]} columns
+    [a, b) of a fused output (k of q|k|v); {"swap_kv": module} swaps a QKV weight's k and v rows;
+    {"batch_bf16": module}: the module's output is rounded through bfloat16 whenever the engine
+    step holds more than one sequence (a kernel whose reduction depends on the batch: the
+    batch-invariance bug the configuration matrix must name, tests/test_matrix_vllm.py)."""
+    def on_output(target: str, change) -> None:
+        by_name[target].register_forward_hook(
+            lambda _m, _a, o: (change(o[0]), *o[1:]) if isinstance(o, tuple) else change(o))
+
+    if fault.get("scale"):
+        target, factor = fault["scale"]
+        on_output(target, lambda x: x * factor)
+    if fault.get("scale_part"):
+        target, a, b, factor = fault["scale_part"]
+
+        def part(x, a=int(a), b=int(b), f=float(factor)):
+            x = x.clone()
+            x[..., a:b] *= f
+            return x
+        on_output(target, part)
+    swapped = by_name.get(fault.get("swap_kv") or "")
+    if swapped is not None and getattr(swapped, "weight", None) is not None \
+            and swapped.weight.numel():  # a weight-layout bug (unless swapped at packing)
+        swap_kv_rows(swapped)
+    if fault.get("batch_bf16"):
+        seqs = [1]
+        orig = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            seqs[0] = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {}) or 1
+            return orig(scheduler_output, *args, **kwargs)
+        runner.execute_model = execute_model
+        on_output(fault["batch_bf16"],
+                  lambda x: x.to(torch.bfloat16).to(x.dtype) if seqs[0] > 1 else x)
 
 
 def moe_routers(model: torch.nn.Module, selected: set[str]) -> list[tuple[str, str]]:

@@ -123,7 +123,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
     cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
                               record_inputs=opts.record_inputs, graph=opts.mode == "graph",
-                              full=opts.store == "full", test_fault=_test_fault())
+                              full=opts.store == "full", test_fault=planted_test_fault())
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
     with _capture_env(spec, dtype, opts, cfg, tp):
         _check_platform(spec)
@@ -203,7 +203,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             finally:
                 writer.close(complete=complete)
         finally:
-            _shutdown(llm)
+            shutdown(llm)
     return Path(out)
 
 
@@ -316,7 +316,7 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
     return kw
 
 
-def _test_fault() -> dict | None:
+def planted_test_fault() -> dict | None:
     """accucheck's own tests plant a fault on one rank through ACCUCHECK_VLLM_TEST_FAULT (JSON,
     see vllm_plugin.PluginConfig.test_fault); never set otherwise."""
     raw = os.environ.get(TEST_FAULT_ENV)
@@ -427,7 +427,7 @@ def _report(merged: Merged, cov: dict) -> None:
     print(coverage_line(cov), file=sys.stderr)
 
 
-def _shutdown(llm) -> None:
+def shutdown(llm) -> None:
     """Stop the engine and free the distributed state now (tests start several in one process)."""
     import gc
 
@@ -499,7 +499,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                    use_tqdm=False)
     finally:
-        _shutdown(llm)
+        shutdown(llm)
     import torch
 
     tokens = []
@@ -516,7 +516,7 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
     verdict (accucheck.coverage) of what the ranks recorded."""
     import torch
 
-    from accucheck.capture.vllm_plugin import stats_rows
+    from accucheck.capture.recorder import stats_rows
 
     by_step: dict[tuple[int, int], list] = {}
     for slot, rec in merged.records:
@@ -557,8 +557,8 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
 def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarray]:
     """Raw full-vocab logits per step: step 0 = [1, n_prompt, vocab] (positions 0..n-2 from the
     prompt logprobs, the last position from the first sample), step k = [1, 1, vocab]."""
-    prompt = _dense(output.prompt_logprobs, vocab)   # position 0 has none
-    sample = _dense(output.outputs[0].logprobs, vocab)
+    prompt = dense_logits(output.prompt_logprobs, vocab)   # position 0 has none
+    sample = dense_logits(output.outputs[0].logprobs, vocab)
     if prompt.shape[0] != n_prompt or sample.shape[0] != n_new + 1:
         raise RuntimeError(f"vLLM logprobs cover {prompt.shape[0]} prompt and {sample.shape[0]} "
                            f"sampled positions, expected {n_prompt} and {n_new + 1}")
@@ -567,7 +567,7 @@ def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarr
     return steps
 
 
-def _dense(logprobs, vocab: int) -> np.ndarray:
+def dense_logits(logprobs, vocab: int) -> np.ndarray:
     """FlatLogprobs (or a list of {token: Logprob}) with every token of every position -> a
     [positions, vocab] float32 array; a position without entries (prompt position 0) is NaN."""
     if hasattr(logprobs, "start_indices"):
