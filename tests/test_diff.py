@@ -515,12 +515,25 @@ def test_nothing_to_compare_says_which_in_one_line(tmp_path):
     assert "have no record key in common" in str(e.value)
 
 
-def test_progress_every_200_records(tmp_path):
+def test_progress_at_the_start_then_by_time_not_by_records(tmp_path, monkeypatch):
+    import accucheck.compare.diff as diff_mod
+
     t = {f"r0.s0:model.layers.{i}#0:out.0": np.full((1, 2), float(i + 1)) for i in range(401)}
     a, b = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", t)
+    clock = [0.0]
+    monkeypatch.setattr(diff_mod.time, "monotonic", lambda: clock[0])
     said: list[str] = []
+    diff_captures(a, b, progress=said.append)   # a fast diff: the clock stands still
+    assert said == ["diff: 0/401 records"]
+
+    def slow() -> float:   # a slow one: every record takes a second
+        clock[0] += 1.0
+        return clock[0]
+    monkeypatch.setattr(diff_mod.time, "monotonic", slow)
+    said.clear()
     diff_captures(a, b, progress=said.append)
-    assert said == ["diff: 0/401 records", "diff: 200/401 records", "diff: 400/401 records"]
+    assert said[:3] == ["diff: 0/401 records", "diff: 2/401 records", "diff: 4/401 records"]
+    assert len(said) == 201 and diff_mod.PROGRESS_EVERY_S == 2.0
 
 
 def _mixed(path, recs, store, golden_shape=None):

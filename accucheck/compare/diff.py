@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -63,6 +64,7 @@ from accucheck.compare.results import (DiffResult, GoldenLabel, LogitsPosition,
 from accucheck.compare.weights import weight_notes
 
 Progress = Callable[[str], None]
+PROGRESS_EVERY_S = 2.0   # at most one progress line this often
 
 
 # ----------------------------------------------------------------------------- diff
@@ -297,11 +299,13 @@ class _Differ:
         logits: list[LogitsStep] = []
         skipped = 0
         stats_only = 0
+        said = -math.inf
         for n, (ra, ca) in enumerate(pairs):
             if not comparable(ra.key, limits):
                 skipped += 1
                 continue
-            if self.progress and n % 200 == 0:
+            if self.progress and (n == 0 or time.monotonic() - said >= PROGRESS_EVERY_S):
+                said = time.monotonic()   # the start, then a line every 2 s of a long diff
                 self.progress(f"diff: {n}/{len(pairs)} records")
             grow = None
             if self.G is not None and ra.key.op is not None:
