@@ -354,6 +354,68 @@ def signoff(scenario, ref, cand, golden, control, previous, out_dir, capture_onl
 
 
 @cli.command()
+@click.argument("model", required=False)
+@click.option("--runner", type=click.Choice(["vllm", "hf"]), default="vllm", show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="a prompt (repeatable)")
+@click.option("--prompts", "prompts_file", help="file of prompts: text lines or JSONL")
+@click.option("--knob", "knobs", multiple=True, metavar="NAME=V1,V2",
+              help="a knob and the values to flip it to, one run each (repeatable); "
+                   "`--list-knobs` names them")
+@click.option("--pairs", is_flag=True, help="also flip every two knobs together")
+@click.option("--expect-invariant", "invariant", default="", metavar="KNOB,KNOB",
+              help="exit 1 when one of these knobs moves any request (or cannot be run)")
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
+              help="directory for matrix.json / .txt / .html and the localisation captures")
+@click.option("--dtype", default="float32", show_default=True, help="the baseline's dtype")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or npu")
+@click.option("--max-new-tokens", default=2, show_default=True, type=int,
+              help="forced decode steps after the prefill")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help="vLLM engine option KEY=VALUE (JSON values) for every run")
+@click.option("--localise/--no-localise", default=True, show_default=True,
+              help="capture and diff every run that moved a request (module level)")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+@click.option("--force", is_flag=True, help="write into a non-empty -o directory")
+@click.option("--trust-remote-code", is_flag=True, help="run the model directory's own code")
+@click.option("--list-knobs", is_flag=True, help="print the knobs, their baselines and meaning")
+def matrix(model, runner, prompts, prompts_file, knobs, pairs, invariant, out_dir, dtype,
+           device, max_new_tokens, seed, engine_args, localise, fmt, force,
+           trust_remote_code, list_knobs):
+    """Flip configuration knobs one at a time (batch size, prefix cache, chunked prefill, graph
+    mode, async scheduling, tensor parallel, dtype, any engine argument or environment
+    variable) and say which change the numbers for which request, and where in the model the
+    change starts. Every run follows the baseline's tokens. MODEL: a model directory or @tiny.
+    Exit 1 when an --expect-invariant knob moved a request."""
+    from accucheck.matrix.knobs import knob_table
+
+    if list_knobs:
+        from tabulate import tabulate
+
+        click.echo(tabulate(knob_table(), headers=("knob", "runners", "baseline",
+                                                         "meaning"), maxcolwidths=[None] * 3 + [70]))
+        return 0
+    from accucheck.matrix.run import plan
+
+    names = tuple(n.strip() for n in invariant.split(",") if n.strip())
+    plan(knobs, runner, dtype, pairs, names)  # exit 2 before anything else
+    if model is None or not out_dir:
+        raise UserError.usage("give MODEL and -o DIR (or --list-knobs)")
+    from accucheck.capture.hf import parse_dtype
+    from accucheck.matrix.main import matrix_main
+    from accucheck.prompts import read_prompts
+
+    parse_dtype(dtype)
+    plist = read_prompts(prompts, prompts_file)
+    m = matrix_main(_model_dir(model), runner, plist, knobs, Path(out_dir), pairs=pairs,
+                    expect_invariant=names, dtype=dtype, device=device, n_new=max_new_tokens,
+                    seed=seed, engine_args=_engine_args(engine_args), localise=localise,
+                    force=force, trust_remote_code=trust_remote_code, fmt=fmt, progress=err,
+                    echo=click.echo)
+    return m.exit_code
+
+
+@cli.command()
 @click.argument("ref", type=click.Path(dir_okay=False))
 @click.option("--op", "ops", multiple=True, metavar="KEY|GLOB",
               help="op call, record key or glob (e.g. '*layers.1.mlp*/aten.silu*'); repeatable; "

@@ -3,9 +3,10 @@
 `if TYPE_CHECKING:`, and `importlib.import_module("name")` / `__import__("name")` with a literal.
 
 Stages, bottom to top: bottom (store, keys, errors, prompts, paths, coverage, the package
-itself) < compare < verdict < report < signoff < top (cli, demo, inspect, replay, __main__).
-capture and importers are a side branch over the bottom: capture imports the bottom only,
-importers the bottom and capture; signoff may use capture (to capture runs), the top layer anything.
+itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
+__main__). capture and importers are a side branch over the bottom: capture imports the bottom
+only, importers the bottom and capture; matrix and signoff may use capture (to run engines and
+capture runs), the top layer anything.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
           "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.inspect", "accucheck.replay",
        "accucheck.__main__"}
-PACKAGES = ("capture", "importers", "compare", "verdict", "report", "signoff")
+PACKAGES = ("capture", "importers", "compare", "verdict", "report", "matrix", "signoff")
 # stage -> the stages its modules may import (its own included)
 ALLOWED = {
     "bottom": {"bottom"},
@@ -30,8 +31,10 @@ ALLOWED = {
     "compare": {"bottom", "compare"},
     "verdict": {"bottom", "compare", "verdict"},
     "report": {"bottom", "compare", "verdict", "report"},
-    "signoff": {"bottom", "compare", "verdict", "report", "signoff", "capture"},
-    "top": {"bottom", "compare", "verdict", "report", "signoff", "capture", "importers", "top"},
+    "matrix": {"bottom", "compare", "verdict", "report", "capture", "matrix"},
+    "signoff": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture"},
+    "top": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture",
+            "importers", "top"},
 }
 # no torch (nor anything that imports it: capture) on the diff path
 TORCH_FREE = {"bottom", "compare", "verdict", "report"}

@@ -1,0 +1,318 @@
+"""Running the matrix's runs: the request logits of every run, on vLLM or transformers.
+
+Every run gives, per request of interest, its raw full-vocabulary logits at each generating
+position ([steps, vocab]: step 0 = the last prompt position, step k = after the k-th token),
+the baseline greedy, every other run teacher-forced to the baseline's tokens. Runs share one
+engine where the knob allows it: batch composition runs in the baseline's engine (each request
+submitted alone, or with its fillers, in one generate call); `enable_prefix_caching=true` and
+`warm` are the first and second pass of the prompts in one engine with the cache. A run whose
+settings the engine refuses is reported ("cannot be set on this engine"), the others go on.
+
+Imports capture (vLLM lazily); the knobs are matrix.knobs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from accucheck.capture import device as dev
+from accucheck.errors import UserError, one_line
+from accucheck.matrix.knobs import ENGINE_PREFIX, ENV_PREFIX, RunSpec
+
+Progress = Callable[[str], None]
+# engine settings of the baseline where the engine's default would hide a knob's effect
+_BASELINE_ENGINE = {"enforce_eager": True, "enable_prefix_caching": False,
+                    "async_scheduling": False, "tensor_parallel_size": 1}
+_ENGINE_KNOBS = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
+                 "enforce_eager", "async_scheduling", "tensor_parallel_size", "dtype",
+                 "attn_implementation")
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    logits: dict[int, np.ndarray] = field(default_factory=dict)   # request -> [steps, vocab]
+    tokens: dict[int, list[int]] = field(default_factory=dict)    # request -> generated ids
+    cached: dict[int, int] = field(default_factory=dict)          # request -> cached tokens
+    error: str | None = None       # the engine refused the settings (one line)
+    engine: int | None = None      # which engine start ran it (index into Matrix.engines)
+    seconds: float = 0.0
+
+
+@dataclass
+class EngineStart:
+    settings: dict
+    env: dict
+    seconds: float
+    runs: list[str]
+
+
+def fillers(prompts: Sequence[Sequence[int]], r: int, n: int) -> list[list[int]]:
+    """`n` filler requests for request `r`: token ids cycled from all the prompts, of lengths
+    other than request r's (len + 3, + 6, ...), so a batch holds ragged rows."""
+    pool = [t for p in prompts for t in p] or [0]
+    base = len(prompts[r])
+    out = []
+    for i in range(n):
+        length = base + 3 * (i + 1)
+        start = (7 * (i + 1) + r) % len(pool)
+        out.append([pool[(start + j) % len(pool)] for j in range(length)])
+    return out
+
+
+def split(spec: RunSpec, baseline_dtype: str) -> tuple[dict, dict, int, str | None]:
+    """(engine settings, environment, batch size, prefix-cache pass) of one run."""
+    settings: dict = {"dtype": baseline_dtype}
+    env: dict = {}
+    batch, cache_pass = 1, None
+    for name, value in spec.flips:
+        if name == "batch_size":
+            batch = int(value)
+        elif name == "enable_prefix_caching":
+            settings["enable_prefix_caching"] = value in (True, "warm")
+            cache_pass = "warm" if value == "warm" else "cold" if value else None
+        elif name.startswith(ENGINE_PREFIX):
+            settings[name[len(ENGINE_PREFIX):]] = value
+        elif name.startswith(ENV_PREFIX):
+            env[name[len(ENV_PREFIX):]] = str(value)
+        else:
+            settings[name] = value
+    return settings, env, batch, cache_pass
+
+
+@contextmanager
+def environment(env: dict) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _groups(runs: Sequence[RunSpec], dtype: str) -> list[tuple[dict, dict, list[RunSpec]]]:
+    """Runs grouped by the engine they can share, in the order given (the baseline first). An
+    engine with the prefix cache is shared only by the cold / warm runs of one batch size."""
+    groups: dict[str, tuple[dict, dict, list[RunSpec]]] = {}
+    for spec in runs:
+        settings, env, batch, cache_pass = split(spec, dtype)
+        key = json.dumps([settings, env, batch if cache_pass else None], sort_keys=True,
+                         default=str)
+        groups.setdefault(key, (settings, env, []))[2].append(spec)
+    return list(groups.values())
+
+
+# -- vLLM ---------------------------------------------------------------------------------
+def check_engine_knobs(names: Sequence[str]) -> None:
+    """`engine:NAME` knobs name vLLM engine arguments (fields of vllm's EngineArgs): a usage
+    error (exit 2) before any engine starts; nothing to check when vLLM does not import."""
+    wanted = [n[len(ENGINE_PREFIX):] for n in names if n.startswith(ENGINE_PREFIX)]
+    if not wanted:
+        return
+    try:
+        from dataclasses import fields
+
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    known = {f.name for f in fields(EngineArgs)}
+    for n in wanted:
+        if n not in known:
+            raise UserError.usage(f"--knob {ENGINE_PREFIX}{n}: not an engine argument of this "
+                                  f"vLLM (vllm.engine.arg_utils.EngineArgs)")
+
+
+def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec], *,
+              dtype: str, n_new: int, seed: int, device: str, engine_args: dict,
+              progress: Progress) -> tuple[list[RunResult],
+                                                                  list[EngineStart]]:
+    from vllm import LLM, SamplingParams
+
+    from accucheck.capture import vllm_plugin as plugin
+    from accucheck.capture.vllm_runner import (FORCE_TOKENS, cpu_binding, dense_logits,
+                                               shutdown, planted_test_fault)
+
+    spec_dev = dev.parse_device(device)
+    vocab = None
+    batches = [split(s, dtype)[2] for s in runs]
+    longest = max(len(p) for p in prompt_ids) + 3 * (max(batches) - 1)
+    total = sum(len(p) for p in prompt_ids) + sum(len(f) for r in range(len(prompt_ids))
+                                                   for f in fillers(prompt_ids, r,
+                                                                    max(batches) - 1))
+    base_kw = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed,
+                   max_model_len=longest + n_new + 2, max_logprobs=-1,
+                   logprobs_mode="raw_logits", logits_processors=[FORCE_TOKENS],
+                   max_num_batched_tokens=max(256, total), **_BASELINE_ENGINE)
+    base_kw.update(engine_args)
+    plugin_env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    fault = planted_test_fault()
+    if fault:  # accucheck's own tests: a planted fault, nothing recorded
+        plugin_env[plugin.ENV] = plugin.PluginConfig(test_fault=fault, record=False).to_env()
+        plugin.install()
+    results = {s.label: RunResult(s) for s in runs}
+    baseline_tokens: dict[int, list[int]] = {}
+    starts: list[EngineStart] = []
+
+    def params(r: int | None, forced: bool):
+        follow = baseline_tokens.get(r) if forced and r is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=n_new + 1, ignore_eos=True,
+                              logprobs=-1, detokenize=False, flat_logprobs=True,
+                              extra_args={plugin.FORCED_ARG: follow})
+
+    for settings, env, specs in _groups(runs, dtype):
+        kw = {**base_kw, **settings}
+        labels = [s.label for s in specs]
+        tp = int(kw.get("tensor_parallel_size", 1) or 1)
+        run_env = dict(plugin_env)
+        if spec_dev.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            run_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
+        run_env.update(env)
+        progress(f"matrix: engine {len(starts) + 1}: starting for {', '.join(labels)}")
+        dev.seed_everything(seed, spec_dev)
+        t0 = time.monotonic()
+        with environment(run_env):
+            try:
+                llm = LLM(**kw)
+            except Exception as e:  # the engine refuses these settings: say so, go on
+                if not starts and "baseline" in labels:
+                    raise UserError(f"the vLLM engine did not start with the baseline settings "
+                                    f"({one_line(e, 200)})") from None
+                for s in specs:
+                    results[s.label].error = f"cannot be set on this engine: {one_line(e, 200)}"
+                progress(f"matrix: {', '.join(labels)}: cannot be set on this engine "
+                         f"({one_line(e, 160)})")
+                continue
+            starts.append(EngineStart({k: v for k, v in kw.items()
+                                       if k not in ("logits_processors",)}, env,
+                                      round(time.monotonic() - t0, 2), labels))
+            try:
+                vocab = vocab or int(llm.llm_engine.model_config.get_vocab_size())
+                for s, record in _passes(specs, dtype):
+                    _one_run(llm, s, results[s.label] if record else RunResult(s), prompt_ids,
+                             split(s, dtype)[2], params, baseline_tokens, n_new, vocab,
+                             dense_logits, record)
+                    if record:
+                        results[s.label].engine = len(starts) - 1
+                        progress(f"matrix: {s.label}: done")
+            except Exception as e:  # the engine died running these settings: say so, go on
+                if "baseline" in labels:
+                    raise UserError(f"the vLLM engine failed running the baseline "
+                                    f"({one_line(e, 200)})") from None
+                for s in specs:
+                    if len(results[s.label].logits) < len(prompt_ids):
+                        results[s.label].error = (f"the engine failed running it: "
+                                                  f"{one_line(e, 200)}")
+                progress(f"matrix: {', '.join(labels)}: the engine failed ({one_line(e, 160)})")
+            finally:
+                shutdown(llm)
+    return [results[s.label] for s in runs], starts
+
+
+def _passes(specs: list[RunSpec], dtype: str) -> list[tuple[RunSpec, bool]]:
+    """The generate passes of one engine, in order, and whether each is kept: every run once;
+    with the prefix cache, the prompts' first pass (kept for the cold run) then their second
+    (kept for the warm run)."""
+    by_pass = {split(s, dtype)[3]: s for s in specs}
+    if set(by_pass) == {None}:
+        return [(s, True) for s in specs]
+    cold, warm = by_pass.get("cold"), by_pass.get("warm")
+    out = [(cold or warm, cold is not None)]
+    return out + [(warm, True)] if warm is not None else out
+
+
+def _one_run(llm, spec: RunSpec, res: RunResult, prompt_ids, batch: int, params,
+             baseline_tokens: dict, n_new: int, vocab: int, dense, record: bool) -> None:
+    """Every request of interest once (alone, or with batch - 1 fillers in one generate call);
+    kept in `res` when `record` (a prefix-cache engine's cold pass of a warm run is not)."""
+    t0 = time.monotonic()
+    forced = spec.label != "baseline"
+    for r, ids in enumerate(prompt_ids):
+        reqs = [ids] + fillers(prompt_ids, r, batch - 1)
+        outs = llm.generate([{"prompt_token_ids": x} for x in reqs],
+                            [params(r, forced)] + [params(None, False)] * (batch - 1),
+                            use_tqdm=False)
+        o = outs[0]
+        if list(o.prompt_token_ids) != list(ids):
+            raise RuntimeError(f"vLLM output for request {r} belongs to another prompt")
+        if not record:
+            continue
+        tokens = [int(t) for t in o.outputs[0].token_ids]
+        if not forced:
+            baseline_tokens[r] = tokens
+        elif tokens[:n_new] != baseline_tokens[r][:n_new]:
+            raise RuntimeError(f"{spec.label}: request {r}: teacher forcing did not hold")
+        res.logits[r] = dense(o.outputs[0].logprobs, vocab)
+        res.tokens[r] = tokens[:n_new]
+        res.cached[r] = int(getattr(o, "num_cached_tokens", 0) or 0)
+    if record:
+        res.seconds = round(time.monotonic() - t0, 3)
+
+
+# -- transformers -------------------------------------------------------------------------
+def hf_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec], *,
+            dtype: str, n_new: int, seed: int, device: str, pad_id: int,
+            plant: Callable | None, progress: Progress) -> tuple[list[RunResult],
+                                                                list[EngineStart]]:
+    """The HF runner: one model load per (dtype, attn_implementation, environment); `mode`
+    graph runs the same weights under torch.compile; `plant(model)` (accucheck's own tests)
+    may change the loaded model."""
+    import torch
+
+    from accucheck.capture.batched import batched_run
+    from accucheck.capture.hf import load_model_dir, parse_dtype
+
+    spec_dev = dev.parse_device(device)
+    tdev = dev.torch_device(spec_dev)
+    results = {s.label: RunResult(s) for s in runs}
+    starts: list[EngineStart] = []
+    baseline_tokens: dict[int, list[int]] = {}
+    loads: dict[str, tuple[dict, dict, list[RunSpec]]] = {}
+    for spec in runs:
+        settings, env, _batch, _ = split(spec, dtype)
+        load = {"dtype": settings.get("dtype", dtype),
+                "attn_implementation": settings.get("attn_implementation", "sdpa")}
+        key = json.dumps([load, env], sort_keys=True)
+        loads.setdefault(key, (load, env, []))[2].append(spec)
+    for load, env, specs in loads.values():
+        labels = [s.label for s in specs]
+        progress(f"matrix: model load {len(starts) + 1}: {load['dtype']}, "
+                 f"{load['attn_implementation']} attention, for {', '.join(labels)}")
+        t0 = time.monotonic()
+        with environment(env):
+            dev.seed_everything(seed, spec_dev)
+            model, _tok = load_model_dir(model_dir, parse_dtype(load["dtype"]), tdev,
+                                         attn_implementation=load["attn_implementation"])
+            if plant is not None:
+                plant(model)
+            starts.append(EngineStart(load, env, round(time.monotonic() - t0, 2), labels))
+            for s in specs:
+                forward = model
+                if split(s, dtype)[0].get("mode") == "graph":
+                    torch._dynamo.reset()
+                    forward = torch.compile(model, dynamic=True)
+                res = results[s.label]
+                res.engine = len(starts) - 1
+                t1 = time.monotonic()
+                batch = split(s, dtype)[2]
+                for r, ids in enumerate(prompt_ids):
+                    rows = [ids] + fillers(prompt_ids, r, batch - 1)
+                    forced = baseline_tokens.get(r) if s.label != "baseline" else None
+                    run = batched_run(forward, rows, tdev, n_new, forced=forced, pad_id=pad_id)
+                    if s.label == "baseline":
+                        baseline_tokens[r] = run.generated + [int(run.logits[-1].argmax())]
+                    res.logits[r] = run.logits
+                    res.tokens[r] = run.generated
+                res.seconds = round(time.monotonic() - t1, 3)
+                progress(f"matrix: {s.label}: done")
+    return [results[s.label] for s in runs], starts
