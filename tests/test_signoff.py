@@ -23,7 +23,8 @@ SCN = ROOT / "scenarios"
 CULPRIT = "model.layers.2.post_attention_layernorm"
 TOP_KEYS = ["schema", "schema_version", "verdict", "exit_code", "summary", "scenario", "runs",
             "thresholds", "checks", "failed_checks", "metrics", "culprit", "first_divergence",
-            "layers", "control", "suspicious", "routing", "tokens", "regression", "environment", "planted_faults", "notes", "files",
+            "layers", "control", "suspicious", "routing", "tokens", "regression", "matrix",
+            "environment", "planted_faults", "notes", "files",
             "seconds"]
 
 

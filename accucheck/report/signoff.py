@@ -138,6 +138,9 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
                    "near_tie_flips": r.metrics.near_tie_flips,
                    "real_flips": r.metrics.real_flips, "flips": flips},
         "regression": reg,
+        "matrix": ({k: r.matrix[k] for k in ("runner", "knobs", "expect_invariant",
+                                              "violations", "summaries", "dir")}
+                   if r.matrix else None),
         "environment": [{"field": e.field, "ref": e.ref, "cand": e.cand, "differs": e.differs}
                         for e in r.environment],
         "planted_faults": r.planted_faults,
@@ -223,6 +226,24 @@ def control_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[boo
         oks.append(ok)
     return ["layer", "cand / control at output", "largest excess inside", "at", "status"], \
         rows, oks
+
+
+def matrix_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
+    """The scenario's configuration matrix, a row per run (accucheck.matrix: matrix.json)."""
+    if not r.matrix:
+        return [], [], []
+    rows, oks = [], []
+    invariant = set(r.matrix["expect_invariant"])
+    for row, line in zip(r.matrix["rows"], r.matrix["summaries"]):
+        worst = max((d["max_dlogprob"] for d in row["requests"]), default=0.0)
+        where = (row["localisation"] or {}).get("where") or ""
+        culprit = (row["localisation"] or {}).get("culprit") or ""
+        gated = len(row["flips"]) == 1 and next(iter(row["flips"])) in invariant
+        rows.append([row["label"], row["error"] or (", ".join(map(str, row["moved"]))
+                                                    or "none (bitwise equal)"),
+                     fmt_number(worst), where, culprit])
+        oks.append(not (gated and (row["error"] or row["moved"])))
+    return ["run", "requests moved", "max |dlogprob|", "first difference", "culprit"], rows, oks
 
 
 def routing_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]]:
@@ -382,6 +403,12 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         out += ["## Candidate / control per layer (mean elementwise relative error ratio; "
                 "excess: over what feeds it, more than noise above its kind's threshold)", "",
                 _md_table(head, rows), ""]
+    head, rows, _ = matrix_rows(r)
+    if rows:
+        out += ["## Configuration matrix (each knob flipped alone from the reference's settings, "
+                "teacher-forced; expected invariant: "
+                f"{', '.join(r.matrix['expect_invariant']) or 'none'}; {r.matrix['dir']})", "",
+                _md_table(head, rows), ""]
     head, rows, _ = routing_rows(r)
     if rows:
         out += ["## MoE routing (tokens routed to other experts; records after a flip are not "
@@ -518,6 +545,14 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         b += ["<h2>Candidate / control per layer</h2>",
               '<p class="small">Mean elementwise relative error of the candidate over the '
               "control's, at each decoder layer's output; excess: over what feeds it.</p>",
+              _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    head, rows, oks = matrix_rows(r)
+    if rows:
+        b += ["<h2>Configuration matrix</h2>",
+              f'<p class="small">Each knob flipped alone from the reference\'s settings, '
+              f"teacher-forced; expected invariant: "
+              f"{_e(', '.join(r.matrix['expect_invariant']) or 'none')}; "
+              f"{_e(r.matrix['dir'])}</p>",
               _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
     head, rows, oks = routing_rows(r)
     if rows:

@@ -99,6 +99,7 @@ class SignoffResult:
     seconds: float
     out_dir: Path | None = None
     control_path: str | None = None
+    matrix: dict | None = None      # the scenario's configuration matrix (matrix.json)
 
     @property
     def passed(self) -> bool:

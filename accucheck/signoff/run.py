@@ -85,6 +85,11 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
     paths = capture_runs(scn, out / "captures", force=force, progress=log)
     result = evaluate(scn, paths["reference"], paths["candidate"], paths.get("golden"),
                       progress=log, started=t0, control=paths.get("control"))
+    if scn.matrix is not None:
+        from accucheck.signoff.matrix import scenario_matrix
+
+        doc, check = scenario_matrix(scn, scenario_model_dir(scn), out / "matrix", log)
+        result = replace(result, checks=result.checks + (check,), matrix=doc)
     log(f"signoff: writing the report to {out}")
     write_report_safely(result, out)
     return replace(result, out_dir=out)
@@ -261,12 +266,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
     from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 
-    if scn.model in TINY_MODELS:
-        from accucheck.capture.tiny import tiny_model_dir
-
-        model_dir = tiny_model_dir(arch=TINY_MODELS[scn.model])
-    else:
-        model_dir = Path(scn.model)
+    model_dir = scenario_model_dir(scn)
     extra = {"signoff": {"scenario": scn.name, "role": role}}
     opts = CaptureOptions(device=spec.device, dtype=spec.dtype, mode=spec.mode, store=spec.store,
                           max_new_tokens=scn.max_new_tokens, include=spec.include,
@@ -315,6 +315,15 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                         f"re-run the sign-off with --force") from None
     log(f"signoff: {role} captured in {time.monotonic() - t:.1f} s")
     return out
+
+
+def scenario_model_dir(scn: Scenario) -> Path:
+    """The scenario's model directory (a built-in tiny model is built once, cached)."""
+    if scn.model in TINY_MODELS:
+        from accucheck.capture.tiny import tiny_model_dir
+
+        return tiny_model_dir(arch=TINY_MODELS[scn.model])
+    return Path(scn.model)
 
 
 def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,

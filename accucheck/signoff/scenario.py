@@ -38,6 +38,14 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     dither = 1                              # TESTING ONLY (candidate / control): round like
                                             # another device (faults.dithered(seed))
 
+    [matrix]                                # optional: a configuration matrix (accucheck
+                                            # matrix) on the reference's settings
+    knobs = ["batch_size=1,4", "enable_prefix_caching=true,warm"]
+    expect_invariant = ["batch_size"]       # a knob here that moves a request fails the
+                                            # sign-off (check "matrix invariance")
+    # runner / device / dtype / engine_args: the reference's; max_new_tokens: the scenario's;
+    # pairs = false; localise = true
+
     [thresholds]                            # every key optional
     rel_l2 = 1e-3                           # per-record tolerance (default: dtype table)
     layer_rel_l2 = 1e-3                     # max rel L2 of decoder-layer outputs
@@ -73,6 +81,7 @@ from typing import Any
 
 from accucheck.errors import UserError
 from accucheck.compare.tolerances import ToleranceTable
+from accucheck.matrix.knobs import parse_knobs
 
 TINY = "@tiny"
 TINY_MODELS = {TINY: "llama", "@tiny-moe": "qwen3_moe"}  # built-in models: name -> tiny arch
@@ -132,6 +141,20 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class MatrixSpec:
+    """A scenario's `[matrix]`: knobs flipped from the reference's settings (accucheck.matrix)."""
+    knobs: tuple[str, ...]
+    expect_invariant: tuple[str, ...] = ()
+    pairs: bool = False
+    localise: bool = True
+    runner: str = "hf"
+    device: str = "cpu"
+    dtype: str = "float32"
+    engine_args: dict = field(default_factory=dict)
+    max_new_tokens: int = 2
+
+
+@dataclass(frozen=True)
 class Thresholds:
     """How a sign-off judges the diff. None = not checked (beyond the per-record tolerances)."""
     rel_l2: float | None = None
@@ -170,6 +193,7 @@ class Scenario:
     thresholds: Thresholds = field(default_factory=Thresholds)
     trust_remote_code: bool = False
     control: RunSpec | None = None
+    matrix: MatrixSpec | None = None
 
     def run(self, role: str) -> RunSpec | None:
         return {"reference": self.reference, "candidate": self.candidate,
@@ -183,7 +207,7 @@ _RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministi
 _RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither", "routing_replay"}
 _TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
              "previous", "trust_remote_code", "reference", "candidate", "golden", "control",
-             "thresholds"} | _RUN_KEYS
+             "thresholds", "matrix"} | _RUN_KEYS
 _THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
 
@@ -337,9 +361,35 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
         raise top.fail("previous", f"{previous} does not exist (a report.json of the last "
                                    f"release's sign-off, or a capture of its candidate)")
     name = top.get("name", str) or (path.stem if path is not None else "scenario")
+    matrix = _matrix(_Reader(src, top.get("matrix", dict), "matrix."), runs["reference"],
+                     mnt) if "matrix" in data else None
     return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
                     runs["reference"], runs["candidate"], runs["golden"], previous, thr,
-                    top.get("trust_remote_code", bool, False), runs["control"])
+                    top.get("trust_remote_code", bool, False), runs["control"], matrix)
+
+
+def _matrix(r: _Reader, ref: RunSpec, max_new_tokens: int) -> MatrixSpec:
+    """`[matrix]`: checked here (knob names and values, expect_invariant among them), so a
+    bad one stops the sign-off before any run."""
+    r.check_known({"knobs", "expect_invariant", "pairs", "localise", "runner", "device",
+                   "dtype", "engine_args", "max_new_tokens"})
+    runner = r.choice("runner", RUNNERS, ref.runner)
+    dtype = r.get("dtype", str, ref.dtype)
+    knobs, invariant = r.strings("knobs"), r.strings("expect_invariant")
+    if not knobs:
+        raise r.fail("knobs", 'needs at least one knob, e.g. knobs = ["batch_size=1,4"]')
+    try:
+        parsed, _ = parse_knobs(knobs, runner, dtype, r.get("pairs", bool, False))
+    except UserError as e:
+        raise r.fail("knobs", str(e)) from None
+    names = {k.name for k in parsed}
+    for n in invariant:
+        if n not in names:
+            raise r.fail("expect_invariant", f"{n} is not one of the knobs")
+    return MatrixSpec(knobs, invariant, r.get("pairs", bool, False), r.get("localise", bool, True),
+                      runner, r.get("device", str, ref.device), dtype,
+                      dict(r.get("engine_args", dict, ref.engine_args)),
+                      max(1, r.count("max_new_tokens", max_new_tokens)))
 
 
 def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
