@@ -9,7 +9,8 @@
    the batch) is named by the matrix: the knob, the requests, and the module, and
    `--expect-invariant batch_size` exits 1; without the fault the same matrix exits 0.
 
-Engine starts cost 5-60 s each on 2 cores, the graph-mode one ~2 min (slow + vllm markers, in
+Engine starts cost 5-30 s each on 2 cores (the engine core runs in-process: matrix.engines
+VLLM_ENV), the graph-mode one ~1 min (slow + vllm markers, in
 CI). The fault travels to the engine's worker through ACCUCHECK_VLLM_TEST_FAULT (vllm_plugin).
 """
 from __future__ import annotations
@@ -92,6 +93,8 @@ def test_a_batch_dependent_kernel_is_named(planted, tmp_path):
         return
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert row["moved"] == [0, 1, 2]
+    # the fillers share the request's very first step: batch composition is what the knob says
+    assert [d["first_step"] for d in row["requests"]] == [0, 0, 0]
     loc = row["localisation"]
     assert loc["error"] is None and loc["culprit"] == FAULT_MODULE, loc
     assert "INVARIANCE BROKEN: batch_size=3 moves requests 0, 1, 2" in proc.stdout

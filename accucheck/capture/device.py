@@ -12,8 +12,10 @@ import platform
 import random
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from accucheck.errors import UserError
 
@@ -208,3 +210,23 @@ def _nvidia_driver() -> str | None:
         m = re.search(r"Kernel Module\s+(\S+)", p.read_text(errors="replace"))
         return m.group(1) if m else None
     return None
+
+
+@contextmanager
+def environment(forced: dict, default: dict | None = None) -> Iterator[None]:
+    """Environment variables for the duration of the block, restored after: `forced` set,
+    `default` set where unset or empty."""
+    default = default or {}
+    saved = {k: os.environ.get(k) for k in {**forced, **default}}
+    os.environ.update(forced)
+    for k, v in default.items():
+        if not os.environ.get(k):
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -277,19 +277,8 @@ def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
         default["VLLM_BATCH_INVARIANT"] = "1"
     if spec.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         default["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
-    saved = {k: os.environ.get(k) for k in {**forced, **default}}
-    os.environ.update(forced)
-    for k, v in default.items():
-        if not os.environ.get(k):  # unset or empty
-            os.environ[k] = v
-    try:
+    with dev.environment(forced, default):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids, user: dict,

@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +26,11 @@ from accucheck.errors import UserError, one_line
 from accucheck.matrix.knobs import ENGINE_PREFIX, ENV_PREFIX, RunSpec
 
 Progress = Callable[[str], None]
+# The environment of every vLLM engine the matrix starts (a knob may override it). The engine
+# core runs in this process: every request of a generate call is then added before the first
+# step, so a batch holds exactly the requests the knob says (vLLM's own engine-core process
+# starts stepping as soon as the first request arrives: the request could prefill alone).
+VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # engine settings of the baseline where the engine's default would hide a knob's effect
 _BASELINE_ENGINE = {"enforce_eager": True, "enable_prefix_caching": False,
                     "async_scheduling": False, "tensor_parallel_size": 1}
@@ -87,20 +91,6 @@ def split(spec: RunSpec, baseline_dtype: str) -> tuple[dict, dict, int, str | No
     return settings, env, batch, cache_pass
 
 
-@contextmanager
-def environment(env: dict) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _groups(runs: Sequence[RunSpec], dtype: str) -> list[tuple[dict, dict, list[RunSpec]]]:
     """Runs grouped by the engine they can share, in the order given (the baseline first). An
     engine with the prefix cache is shared only by the cold / warm runs of one batch size."""
@@ -155,7 +145,7 @@ def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSp
                    logprobs_mode="raw_logits", logits_processors=[FORCE_TOKENS],
                    max_num_batched_tokens=max(256, total), **_BASELINE_ENGINE)
     base_kw.update(engine_args)
-    plugin_env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    plugin_env = dict(VLLM_ENV)
     fault = planted_test_fault()
     if fault:  # accucheck's own tests: a planted fault, nothing recorded
         plugin_env[plugin.ENV] = plugin.PluginConfig(test_fault=fault, record=False).to_env()
@@ -181,11 +171,11 @@ def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSp
         progress(f"matrix: engine {len(starts) + 1}: starting for {', '.join(labels)}")
         dev.seed_everything(seed, spec_dev)
         t0 = time.monotonic()
-        with environment(run_env):
+        with dev.environment(run_env):
             try:
                 llm = LLM(**kw)
             except Exception as e:  # the engine refuses these settings: say so, go on
-                if not starts and "baseline" in labels:
+                if "baseline" in labels:
                     raise UserError(f"the vLLM engine did not start with the baseline settings "
                                     f"({one_line(e, 200)})") from None
                 for s in specs:
@@ -267,9 +257,6 @@ def hf_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec
     """The HF runner: one model load per (dtype, attn_implementation, environment); `mode`
     graph runs the same weights under torch.compile; `plant(model)` (accucheck's own tests)
     may change the loaded model."""
-    import torch
-
-    from accucheck.capture.batched import batched_run
     from accucheck.capture.hf import load_model_dir, parse_dtype
 
     spec_dev = dev.parse_device(device)
@@ -289,7 +276,7 @@ def hf_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec
         progress(f"matrix: model load {len(starts) + 1}: {load['dtype']}, "
                  f"{load['attn_implementation']} attention, for {', '.join(labels)}")
         t0 = time.monotonic()
-        with environment(env):
+        with dev.environment(env):
             dev.seed_everything(seed, spec_dev)
             model, _tok = load_model_dir(model_dir, parse_dtype(load["dtype"]), tdev,
                                          attn_implementation=load["attn_implementation"])
@@ -297,22 +284,39 @@ def hf_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec
                 plant(model)
             starts.append(EngineStart(load, env, round(time.monotonic() - t0, 2), labels))
             for s in specs:
-                forward = model
-                if split(s, dtype)[0].get("mode") == "graph":
-                    torch._dynamo.reset()
-                    forward = torch.compile(model, dynamic=True)
                 res = results[s.label]
                 res.engine = len(starts) - 1
-                t1 = time.monotonic()
-                batch = split(s, dtype)[2]
-                for r, ids in enumerate(prompt_ids):
-                    rows = [ids] + fillers(prompt_ids, r, batch - 1)
-                    forced = baseline_tokens.get(r) if s.label != "baseline" else None
-                    run = batched_run(forward, rows, tdev, n_new, forced=forced, pad_id=pad_id)
+                try:
+                    _hf_one_run(model, s, res, prompt_ids, dtype, n_new, tdev, pad_id,
+                                baseline_tokens)
+                except Exception as e:  # e.g. torch.compile fails: say so, go on
                     if s.label == "baseline":
-                        baseline_tokens[r] = run.generated + [int(run.logits[-1].argmax())]
-                    res.logits[r] = run.logits
-                    res.tokens[r] = run.generated
-                res.seconds = round(time.monotonic() - t1, 3)
-                progress(f"matrix: {s.label}: done")
+                        raise
+                    res.error = f"could not be run: {one_line(e, 200)}"
+                    res.logits.clear()
+                progress(f"matrix: {s.label}: " + (res.error or "done"))
     return [results[s.label] for s in runs], starts
+
+
+def _hf_one_run(model, spec: RunSpec, res: RunResult, prompt_ids, dtype: str, n_new: int, tdev,
+                pad_id: int, baseline_tokens: dict) -> None:
+    """Every request of interest once, alone or among its fillers; graph mode compiles."""
+    import torch
+
+    from accucheck.capture.batched import batched_run
+
+    settings, _env, batch, _ = split(spec, dtype)
+    forward = model
+    if settings.get("mode") == "graph":
+        torch._dynamo.reset()
+        forward = torch.compile(model, dynamic=True)
+    t1 = time.monotonic()
+    for r, ids in enumerate(prompt_ids):
+        rows = [ids] + fillers(prompt_ids, r, batch - 1)
+        forced = baseline_tokens.get(r) if spec.label != "baseline" else None
+        run = batched_run(forward, rows, tdev, n_new, forced=forced, pad_id=pad_id)
+        if spec.label == "baseline":
+            baseline_tokens[r] = run.generated + [int(run.logits[-1].argmax())]
+        res.logits[r] = run.logits
+        res.tokens[r] = run.generated
+    res.seconds = round(time.monotonic() - t1, 3)

@@ -18,7 +18,8 @@ from typing import Callable
 
 from accucheck.capture.api import CaptureOptions
 from accucheck.errors import UserError, one_line
-from accucheck.matrix.engines import environment, fillers, split
+from accucheck.capture.device import environment
+from accucheck.matrix.engines import VLLM_ENV, fillers, split
 from accucheck.matrix.knobs import RunSpec
 from accucheck.report.diff import first_difference_line, verdict_line
 from accucheck.verdict.locate import analyze
@@ -119,8 +120,9 @@ def _vllm_pair(model_dir, rows, base, run, opts, settings, env, batch, engine_ar
     mode = "eager" if settings.pop("enforce_eager", True) else "graph"
     settings.pop("enable_prefix_caching", None)
     one_by_one = {"max_num_seqs": 1} if batch > 1 else {}
-    capture_vllm(model_dir, rows, base, opts, {**engine_args, **one_by_one})
-    with environment(env):
+    with environment(VLLM_ENV):
+        capture_vllm(model_dir, rows, base, opts, {**engine_args, **one_by_one})
+    with environment({**VLLM_ENV, **env}):
         capture_vllm(model_dir, rows, run,
                      replace(opts, dtype=dtype, mode=mode, tokens_from=str(base),
                              observer_check=False),
