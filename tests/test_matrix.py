@@ -201,3 +201,19 @@ def test_an_unknown_engine_argument_is_refused_before_any_engine(tiny_dir, tmp_p
                         "engine:block_sise=32", "-o", tmp_path / "o"], capsys)
     assert code == 2 and "not an engine argument of this vLLM" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_worker_that_dies_or_refuses_is_said_in_one_line(tmp_path):
+    from dataclasses import asdict
+
+    from accucheck.capture.api import CaptureOptions
+    from accucheck.matrix.engines import run_worker
+
+    doc, arrays = run_worker({"kind": "runs"}, {})      # a job it cannot run: no result
+    assert doc["error"].startswith("the engine's process ended with exit code 1") and not arrays
+    with pytest.raises(UserError) as e:                  # bad input inside the worker
+        run_worker({"kind": "capture", "model_dir": str(tmp_path / "nothing"), "rows": [[1]],
+                    "out": str(tmp_path / "x.h5"), "opts": asdict(CaptureOptions()),
+                    "engine": {}}, {})
+    assert "not a Hugging Face model directory" in str(e.value)
+    assert not (tmp_path / "x.h5").exists()

@@ -7,8 +7,10 @@ engine where the knob allows it: batch composition runs in the baseline's engine
 submitted alone, or with its fillers, in one generate call); `enable_prefix_caching=true` and
 `warm` are the first and second pass of the prompts in one engine with the cache. A run whose
 settings the engine refuses is reported ("cannot be set on this engine"), the others go on.
+Every vLLM engine runs in a process of its own (matrix.vllm_worker: why, there); the HF runner
+runs in this process.
 
-Imports capture (vLLM lazily); the knobs are matrix.knobs.
+Imports capture (vLLM only in the worker); the knobs are matrix.knobs.
 """
 from __future__ import annotations
 
@@ -125,16 +127,11 @@ def check_engine_knobs(names: Sequence[str]) -> None:
 
 def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec], *,
               dtype: str, n_new: int, seed: int, device: str, engine_args: dict,
-              progress: Progress) -> tuple[list[RunResult],
-                                                                  list[EngineStart]]:
-    from vllm import LLM, SamplingParams
-
-    from accucheck.capture import vllm_plugin as plugin
-    from accucheck.capture.vllm_runner import (FORCE_TOKENS, cpu_binding, dense_logits,
-                                               shutdown, planted_test_fault)
+              progress: Progress) -> tuple[list[RunResult], list[EngineStart]]:
+    """Every engine group in a process of its own (matrix.vllm_worker), the baseline's first."""
+    from accucheck.capture.vllm_runner import FORCE_TOKENS, cpu_binding
 
     spec_dev = dev.parse_device(device)
-    vocab = None
     batches = [split(s, dtype)[2] for s in runs]
     longest = max(len(p) for p in prompt_ids) + 3 * (max(batches) - 1)
     total = sum(len(p) for p in prompt_ids) + sum(len(f) for r in range(len(prompt_ids))
@@ -145,71 +142,70 @@ def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSp
                    logprobs_mode="raw_logits", logits_processors=[FORCE_TOKENS],
                    max_num_batched_tokens=max(256, total), **_BASELINE_ENGINE)
     base_kw.update(engine_args)
-    plugin_env = dict(VLLM_ENV)
-    fault = planted_test_fault()
-    if fault:  # accucheck's own tests: a planted fault, nothing recorded
-        plugin_env[plugin.ENV] = plugin.PluginConfig(test_fault=fault, record=False).to_env()
-        plugin.install()
     results = {s.label: RunResult(s) for s in runs}
     baseline_tokens: dict[int, list[int]] = {}
     starts: list[EngineStart] = []
-
-    def params(r: int | None, forced: bool):
-        follow = baseline_tokens.get(r) if forced and r is not None else None
-        return SamplingParams(temperature=0.0, max_tokens=n_new + 1, ignore_eos=True,
-                              logprobs=-1, detokenize=False, flat_logprobs=True,
-                              extra_args={plugin.FORCED_ARG: follow})
-
     for settings, env, specs in _groups(runs, dtype):
         kw = {**base_kw, **settings}
         labels = [s.label for s in specs]
         tp = int(kw.get("tensor_parallel_size", 1) or 1)
-        run_env = dict(plugin_env)
+        run_env = dict(VLLM_ENV)
         if spec_dev.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             run_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
         run_env.update(env)
         progress(f"matrix: engine {len(starts) + 1}: starting for {', '.join(labels)}")
-        dev.seed_everything(seed, spec_dev)
-        t0 = time.monotonic()
-        with dev.environment(run_env):
-            try:
-                llm = LLM(**kw)
-            except Exception as e:  # the engine refuses these settings: say so, go on
-                if "baseline" in labels:
-                    raise UserError(f"the vLLM engine did not start with the baseline settings "
-                                    f"({one_line(e, 200)})") from None
-                for s in specs:
-                    results[s.label].error = f"cannot be set on this engine: {one_line(e, 200)}"
-                progress(f"matrix: {', '.join(labels)}: cannot be set on this engine "
-                         f"({one_line(e, 160)})")
-                continue
-            starts.append(EngineStart({k: v for k, v in kw.items()
-                                       if k not in ("logits_processors",)}, env,
-                                      round(time.monotonic() - t0, 2), labels))
-            try:
-                vocab = vocab or int(llm.llm_engine.model_config.get_vocab_size())
-                for s, record in _passes(specs, dtype):
-                    _one_run(llm, s, results[s.label] if record else RunResult(s), prompt_ids,
-                             split(s, dtype)[2], params, baseline_tokens, n_new, vocab,
-                             dense_logits, record)
-                    if record:
-                        results[s.label].engine = len(starts) - 1
-                        progress(f"matrix: {s.label}: done")
-            except Exception as e:  # the engine died running these settings: say so, go on
-                if "baseline" in labels:
-                    raise UserError(f"the vLLM engine failed running the baseline "
-                                    f"({one_line(e, 200)})") from None
-                for s in specs:
-                    if len(results[s.label].logits) < len(prompt_ids):
-                        results[s.label].error = (f"the engine failed running it: "
-                                                  f"{one_line(e, 200)}")
-                progress(f"matrix: {', '.join(labels)}: the engine failed ({one_line(e, 160)})")
-            finally:
-                shutdown(llm)
+        job = {"kind": "runs", "engine": kw, "prompt_ids": prompt_ids, "n_new": n_new,
+               "dtype": dtype, "seed": seed, "device": device,
+               "specs": [[s.label, [list(f) for f in s.flips]] for s in specs],
+               "baseline_tokens": baseline_tokens}
+        doc, arrays = run_worker(job, run_env)
+        if doc.get("start_s") is not None:
+            starts.append(EngineStart({k: v for k, v in kw.items() if k != "logits_processors"},
+                                      env, doc["start_s"], labels))
+        if "baseline" in labels and (doc.get("error") or doc["runs"]["baseline"]["error"]):
+            raise UserError(f"the vLLM engine failed with the baseline settings "
+                            f"({doc.get('error')})")
+        baseline_tokens.update({int(r): t for r, t in doc.get("baseline_tokens", {}).items()})
+        for i, s in enumerate(specs):
+            res, got = results[s.label], doc.get("runs", {}).get(s.label)
+            res.engine = len(starts) - 1 if doc.get("start_s") is not None else None
+            res.error = got["error"] if got else doc.get("error")
+            if res.error is None:
+                res.tokens = {int(r): t for r, t in got["tokens"].items()}
+                res.cached = {int(r): c for r, c in got["cached"].items()}
+                res.logits = {r: arrays[f"{i}_{r}"] for r in range(len(prompt_ids))}
+                res.seconds = got["seconds"]
+        if doc.get("error"):
+            progress(f"matrix: {', '.join(labels)}: {doc['error']}")
     return [results[s.label] for s in runs], starts
 
 
-def _passes(specs: list[RunSpec], dtype: str) -> list[tuple[RunSpec, bool]]:
+def run_worker(job: dict, env: dict) -> tuple[dict, dict[str, np.ndarray]]:
+    """`job` in a fresh Python process (matrix.vllm_worker) with `env` added to this one's
+    environment: (its result document, its arrays). A UserError of the job is raised here; a
+    process that ended without a result is an error in the document."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="accucheck-matrix-") as tmp:
+        tmpd = Path(tmp)
+        (tmpd / "job.json").write_text(json.dumps(job, default=str))
+        proc = subprocess.run([sys.executable, "-m", "accucheck.matrix.vllm_worker",
+                               str(tmpd / "job.json"), str(tmpd)],
+                              env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+        if not (tmpd / "result.json").is_file():
+            return {"error": f"the engine's process ended with exit code {proc.returncode} "
+                             f"and no result (vLLM's log above says why)", "runs": {}}, {}
+        doc = json.loads((tmpd / "result.json").read_text())
+        with np.load(tmpd / "logits.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    if doc.get("user_error"):
+        raise UserError(doc["error"])
+    return doc, arrays
+
+
+def passes(specs: list[RunSpec], dtype: str) -> list[tuple[RunSpec, bool]]:
     """The generate passes of one engine, in order, and whether each is kept: every run once;
     with the prefix cache, the prompts' first pass (kept for the cold run) then their second
     (kept for the warm run)."""
@@ -219,34 +215,6 @@ def _passes(specs: list[RunSpec], dtype: str) -> list[tuple[RunSpec, bool]]:
     cold, warm = by_pass.get("cold"), by_pass.get("warm")
     out = [(cold or warm, cold is not None)]
     return out + [(warm, True)] if warm is not None else out
-
-
-def _one_run(llm, spec: RunSpec, res: RunResult, prompt_ids, batch: int, params,
-             baseline_tokens: dict, n_new: int, vocab: int, dense, record: bool) -> None:
-    """Every request of interest once (alone, or with batch - 1 fillers in one generate call);
-    kept in `res` when `record` (a prefix-cache engine's cold pass of a warm run is not)."""
-    t0 = time.monotonic()
-    forced = spec.label != "baseline"
-    for r, ids in enumerate(prompt_ids):
-        reqs = [ids] + fillers(prompt_ids, r, batch - 1)
-        outs = llm.generate([{"prompt_token_ids": x} for x in reqs],
-                            [params(r, forced)] + [params(None, False)] * (batch - 1),
-                            use_tqdm=False)
-        o = outs[0]
-        if list(o.prompt_token_ids) != list(ids):
-            raise RuntimeError(f"vLLM output for request {r} belongs to another prompt")
-        if not record:
-            continue
-        tokens = [int(t) for t in o.outputs[0].token_ids]
-        if not forced:
-            baseline_tokens[r] = tokens
-        elif tokens[:n_new] != baseline_tokens[r][:n_new]:
-            raise RuntimeError(f"{spec.label}: request {r}: teacher forcing did not hold")
-        res.logits[r] = dense(o.outputs[0].logprobs, vocab)
-        res.tokens[r] = tokens[:n_new]
-        res.cached[r] = int(getattr(o, "num_cached_tokens", 0) or 0)
-    if record:
-        res.seconds = round(time.monotonic() - t0, 3)
 
 
 # -- transformers -------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Where a knob's change starts: a module-level capture of the baseline and of the run, on the
 request the knob moved most, then accucheck's own diff of the two.
 
-vLLM: `capture_vllm` twice (the baseline's settings, then the run's, forced to the baseline
-capture's tokens). Batch composition: both captures hold the request and its fillers; the
+vLLM: `capture_vllm` twice, each in a process of its own (matrix.vllm_worker: the baseline's
+settings, then the run's with its environment, forced to the baseline capture's tokens). Batch composition: both captures hold the request and its fillers; the
 baseline's engine runs them one at a time (max_num_seqs=1), the run's together. Prefix caching,
 async scheduling and a chunked prefill cannot be captured (a capture matches records to requests
 step by step and needs whole prefills): the row says so. HF: `capture_rows` (capture.batched)
@@ -19,7 +19,7 @@ from typing import Callable
 from accucheck.capture.api import CaptureOptions
 from accucheck.errors import UserError, one_line
 from accucheck.capture.device import environment
-from accucheck.matrix.engines import VLLM_ENV, fillers, split
+from accucheck.matrix.engines import VLLM_ENV, fillers, run_worker, split
 from accucheck.matrix.knobs import RunSpec
 from accucheck.report.diff import first_difference_line, verdict_line
 from accucheck.verdict.locate import analyze
@@ -114,19 +114,21 @@ def _where(key) -> str | None:
 
 
 def _vllm_pair(model_dir, rows, base, run, opts, settings, env, batch, engine_args) -> None:
-    from accucheck.capture.vllm_runner import capture_vllm
-
+    """Both captures, each in a process of its own (matrix.vllm_worker), the run's with its
+    environment; a capture's UserError is raised here."""
     dtype = settings.pop("dtype", opts.dtype)
     mode = "eager" if settings.pop("enforce_eager", True) else "graph"
     settings.pop("enable_prefix_caching", None)
     one_by_one = {"max_num_seqs": 1} if batch > 1 else {}
-    with environment(VLLM_ENV):
-        capture_vllm(model_dir, rows, base, opts, {**engine_args, **one_by_one})
-    with environment({**VLLM_ENV, **env}):
-        capture_vllm(model_dir, rows, run,
-                     replace(opts, dtype=dtype, mode=mode, tokens_from=str(base),
-                             observer_check=False),
-                     {**engine_args, **settings})
+    for out, o, engine, extra in (
+            (base, opts, {**engine_args, **one_by_one}, {}),
+            (run, replace(opts, dtype=dtype, mode=mode, tokens_from=str(base),
+                          observer_check=False), {**engine_args, **settings}, env)):
+        doc, _ = run_worker({"kind": "capture", "model_dir": str(model_dir), "rows": rows,
+                             "out": str(out), "opts": asdict(o), "engine": engine},
+                            {**VLLM_ENV, **extra})
+        if doc.get("error"):
+            raise UserError(doc["error"])
 
 
 def _hf_pair(model_dir, rows, base, run, opts, settings, env, pad_id, plant) -> None:
