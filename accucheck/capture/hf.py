@@ -152,6 +152,18 @@ def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.devi
     return model.to(device).eval(), tokenizer
 
 
+def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool = False):
+    """The model directory's tokenizer, offline; a UserError in one line when it cannot load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer in {model_dir}: "
+                        f"{str(e).splitlines()[0]}") from None
+
+
 def _known_model_type(config: dict) -> bool:
     """Whether transformers has its own code for this config's model_type (then an auto_map
     is not needed to load it)."""

@@ -31,7 +31,7 @@ from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tok
 from accucheck.coverage import coverage, coverage_line
 from accucheck.capture.graph import ObserverCheck
 from accucheck.capture.ranks import Merged, merge_ranks, merge_weight_tables
-from accucheck.capture.hf import config_hash, parse_dtype
+from accucheck.capture.hf import config_hash, load_tokenizer, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import CaptureWriter
@@ -232,7 +232,7 @@ def _check_platform(spec: dev.DeviceSpec) -> None:
 
 
 def _load_config_tokenizer(model_dir: Path, prompts, engine_kwargs: dict):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     trust = bool(engine_kwargs.get("trust_remote_code", False))
     try:
@@ -243,12 +243,7 @@ def _load_config_tokenizer(model_dir: Path, prompts, engine_kwargs: dict):
             from None
     tokenizer = None
     if any(isinstance(p, str) for p in prompts):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
-                                                      trust_remote_code=trust)
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load the tokenizer in {model_dir}: "
-                            f"{str(e).splitlines()[0]}") from None
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust)
     return config, tokenizer
 
 

@@ -28,18 +28,11 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
 def tokenized(model_dir: Path, prompts: Sequence[str], trust_remote_code: bool
               ) -> tuple[list[list[int]], int]:
     """(prompt ids, pad id) with the model directory's tokenizer."""
-    from transformers import AutoTokenizer
-
     from accucheck.capture.api import tokenize_prompts
-    from accucheck.capture.hf import check_model_dir
+    from accucheck.capture.hf import check_model_dir, load_tokenizer
 
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
-                                            trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer in {model_dir}: "
-                        f"{str(e).splitlines()[0]}") from None
+    tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     ids = tokenize_prompts(list(prompts), tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return ids, int(pad or 0)
