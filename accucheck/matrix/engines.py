@@ -29,16 +29,13 @@ from accucheck.matrix.knobs import ENGINE_PREFIX, ENV_PREFIX, RunSpec
 
 Progress = Callable[[str], None]
 # The environment of every vLLM engine the matrix starts (a knob may override it). The engine
-# core runs in this process: every request of a generate call is then added before the first
+# core runs in the engine's process (matrix.vllm_worker), not one of its own: every request of a generate call is then added before the first
 # step, so a batch holds exactly the requests the knob says (vLLM's own engine-core process
 # starts stepping as soon as the first request arrives: the request could prefill alone).
 VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # engine settings of the baseline where the engine's default would hide a knob's effect
 _BASELINE_ENGINE = {"enforce_eager": True, "enable_prefix_caching": False,
                     "async_scheduling": False, "tensor_parallel_size": 1}
-_ENGINE_KNOBS = ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
-                 "enforce_eager", "async_scheduling", "tensor_parallel_size", "dtype",
-                 "attn_implementation")
 
 
 @dataclass
