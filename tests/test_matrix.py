@@ -148,8 +148,11 @@ def test_hf_planted_batch_dependence_is_named_knob_request_and_module(tiny_dir, 
 def test_hf_clean_batch_moves_only_by_rounding_and_names_no_module(tiny_dir, tmp_path):
     m = hf(tiny_dir, tmp_path, ["batch_size=3"])
     [row] = m.rows
-    # on the CPU a batch of 3 changes the GEMM shapes: float32 rounding, bitwise different
-    assert row.moved and max(d.max_dlogprob for d in row.moved) < 1e-4
+    if not row.moved:   # a CPU whose GEMM rounds the same for any batch: nothing to localise
+        assert row.localisation is None
+        return
+    # here a batch of 3 changes the GEMM shapes: float32 rounding, bitwise different
+    assert max(d.max_dlogprob for d in row.moved) < 1e-4
     loc = row.localisation
     assert loc.culprit is None and loc.first_difference is not None
     assert loc.verdict.startswith("PASS"), loc.verdict

@@ -38,9 +38,10 @@ def test_matrix_section_is_checked_with_the_scenario():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("invariant, passes", [(["env:ACCUCHECK_DEMO"], True),
-                                               (["batch_size"], False)])
+                                               (["attn_implementation"], False)])
 def test_signoff_runs_the_matrix_and_gates_on_it(invariant, passes, tmp_path):
-    s = scenario(expect_invariant=invariant, knobs=["batch_size=3", "env:ACCUCHECK_DEMO=1"])
+    s = scenario(expect_invariant=invariant,
+                 knobs=["attn_implementation=eager", "env:ACCUCHECK_DEMO=1"])
     res = signoff(s, out_dir=tmp_path / "r")
     check = next(c for c in res.checks if c.name == "matrix invariance")
     assert check.passed is passes and res.passed is passes, check
@@ -48,11 +49,11 @@ def test_signoff_runs_the_matrix_and_gates_on_it(invariant, passes, tmp_path):
     assert doc["matrix"]["expect_invariant"] == invariant
     labels = [r["label"] for r in json.loads(
         (tmp_path / "r" / "matrix" / "matrix.json").read_text())["rows"]]
-    assert labels == ["batch_size=3", "env:ACCUCHECK_DEMO=1"]
+    assert labels == ["attn_implementation=eager", "env:ACCUCHECK_DEMO=1"]
     md = (tmp_path / "r" / "report.md").read_text()
     page = (tmp_path / "r" / "report.html").read_text()
     assert "Configuration matrix" in md and "Configuration matrix" in page
-    # the batch run moved (CPU rounding) and was localised; the env run moved nothing
-    assert "model.layers.0" in md and "none (bitwise equal)" in md
+    # the attention kernel moved the numbers from the attention core; the env run moved nothing
+    assert "model.layers.0.self_attn.o_proj (in.0)" in md and "none (bitwise equal)" in md
     if not passes:
-        assert "batch_size=3 moves" in check.detail and res.exit_code == 1
+        assert "attn_implementation=eager moves" in check.detail and res.exit_code == 1
