@@ -173,10 +173,14 @@ def test_gradual_growth_is_inherited_not_blamed(tmp_path):
     c["r0.s0:model.embed_tokens#0:out.0"] = t["r0.s0:model.embed_tokens#0:out.0"]
     a = analyze(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c))
     L = a.location
-    assert a.exit_code == 1 and L.first_divergence is None and L.diffuse and a.culprit is None
+    assert L.first_divergence is None and L.diffuse and a.culprit is None
     assert L.first_over.cause == "inherited" and not L.first_over.key.is_logits
     assert not any(x.cause == "introduced" for x in L.records)
     assert "no record introduces the error (diffuse / inherited)" in verdict_line(a)
+    # it fails on the noise floor: layer 0's norm is 7.5e-6 off from an exact input, ~180
+    # float32 roundings (over one rounding of the dtype, an exact input is no excuse)
+    assert a.exit_code == 1 and not a.accumulated
+    assert [s.key.module for s in L.suspicious] == ["model.layers.0.input_layernorm"]
     assert "CULPRIT" not in render(a)
 
 

@@ -415,14 +415,17 @@ def test_noise_floor_boundaries_are_strict():
     assert _names(d.locate(amplification=8.0)) == [_dpk(3, 1)]
 
 
-def test_noise_floor_exact_input_gains_inf_and_error_free_peers_gain_one():
+def test_noise_floor_exact_input_gains_over_one_rounding_and_error_free_peers_gain_one():
+    """An exact input explains one rounding of the run's dtype (float32 here: 2^-24), not
+    nothing: the gain is finite (it was x inf, and every first rounding site stood out)."""
     d = D()
     _dp(d, [0, 0, 0, 0], e_in=0.0)
     d.recs[-1] = dataclasses.replace(d.recs[-1], metrics=_m(2 * E))
     L = d.locate()
     assert _names(L) == [_dpk(3)]
     s = L.suspicious[0]
-    assert (s.gain, s.peers_median, s.ratio, s.local) == (math.inf, 1.0, math.inf, 2 * E)
+    assert (s.gain, s.peers_median, s.ratio, s.local) == (2 * E / 2 ** -24, 1.0,
+                                                          2 * E / 2 ** -24, 2 * E)
 
 
 def test_noise_floor_with_shadow_compares_shadow_errors_unfloored():

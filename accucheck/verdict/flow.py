@@ -27,7 +27,11 @@ call). What feeds a record, never the worst of unrelated earlier records:
   carries it).
 
 A record over tolerance is "introduced" when its error exceeds `amplification` x the largest
-error among what feeds it (or nothing feeds it), else "inherited". With shadow records
+error among what feeds it, else "inherited". What feeds a record is never taken below one
+rounding of the run's dtype (its unit roundoff, half of compare.metrics.DTYPE_EPS: 2^-8 in
+bfloat16, the largest relative error of one rounding): two correct
+devices round differently from the first record on, so the first record whose input is bitwise
+equal (layer 0's norm after the embedding) differs by a rounding, not by "x inf". With shadow records
 (--shadow) the local error decides: introduced when the shadow error is over tolerance.
 `RecordLocation.feeders` lists every record considered, for the control rule
 (accucheck.verdict.noise), which judges ratios to a control run on the same graph.
@@ -37,7 +41,9 @@ from __future__ import annotations
 import bisect
 import math
 
+from accucheck.compare.metrics import DTYPE_EPS
 from accucheck.compare.results import DiffResult, RecordDiff
+from accucheck.compare.tolerances import loosest_dtype
 from accucheck.keys import RecordKey
 from accucheck.verdict.types import RecordLocation
 
@@ -51,9 +57,19 @@ def trace(diff: DiffResult, amplification: float
     locs: dict[str, RecordLocation] = {}
     site_err: dict[tuple[int, str], list[tuple[int, str, float]]] = {}
     paths: dict[str, tuple[str, ...]] = {}
+    unit = rounding_unit(diff)
     for (req, step) in sorted(groups, key=lambda g: (g[1], g[0])):
-        _Group(groups[(req, step)], amplification, site_err).run(locs, paths)
+        _Group(groups[(req, step)], amplification, site_err, unit).run(locs, paths)
     return locs, paths
+
+
+def rounding_unit(diff: DiffResult) -> float:
+    """One rounding of the run's dtype (the unit roundoff of the loosest of the two captures'
+    compute dtypes, else of their records): the smallest error a record's inputs are said to
+    carry."""
+    dtypes = [d for d in diff.compute_dtypes if d is not None] or \
+        [d for r in diff.records for d in (r.ref_dtype, r.cand_dtype)]
+    return DTYPE_EPS.get(loosest_dtype(dtypes), 0.0) / 2
 
 
 def same_tensor(a: RecordDiff, b: RecordDiff) -> bool:
@@ -102,8 +118,8 @@ class _Node:
 class _Group:
     """The records of one request and step."""
 
-    def __init__(self, recs: list[RecordDiff], amp: float, site_err: dict):
-        self.amp, self.site_err = amp, site_err
+    def __init__(self, recs: list[RecordDiff], amp: float, site_err: dict, unit: float):
+        self.amp, self.site_err, self.unit = amp, site_err, unit
         self.errs = {str(r.key): r.error for r in recs}
         nodes: dict[tuple, _Node] = {}
         ins: dict[tuple, list[RecordDiff]] = {}
@@ -252,7 +268,7 @@ class _Group:
                     inner = max((e for e, _ in part), default=None)
                     feeders += part
                 locs[str(r.key)] = _classify(r, n.input_error, n.input_from, n.input_basis,
-                                             inner, self.amp, feeders)
+                                             inner, self.amp, feeders, self.unit)
                 paths[str(r.key)] = path
                 self.site_err.setdefault((r.key.req, r.key.site), []).append(
                     (r.key.step, str(r.key), r.error))
@@ -260,11 +276,12 @@ class _Group:
                 slot_links = dict(n.links)
                 if r.key.slot in slot_links and slot_links[r.key.slot] in self.errs:
                     p = slot_links[r.key.slot]
-                    locs[str(r.key)] = _classify_input(r, [(self.errs[p], p)], self.amp)
+                    locs[str(r.key)] = _classify_input(r, [(self.errs[p], p)], self.amp,
+                                                       self.unit)
                 elif n.parent is not None:
                     feeders = self._uncovered(n.parent, r.order)
                     feeders += self._earlier_steps(feeders)
-                    locs[str(r.key)] = _classify_input(r, feeders, self.amp)
+                    locs[str(r.key)] = _classify_input(r, feeders, self.amp, self.unit)
                 else:  # made outside every recorded module: nothing recorded to blame
                     locs[str(r.key)] = _unexplained_input(r)
                 paths[str(r.key)] = path
@@ -282,17 +299,17 @@ def _unexplained_input(r: RecordDiff) -> RecordLocation:
                           None if r.within else "inherited", 0.0)
 
 
-def _classify_input(r: RecordDiff, feeders: list[tuple[float, str]], amp: float
-                    ) -> RecordLocation:
+def _classify_input(r: RecordDiff, feeders: list[tuple[float, str]], amp: float,
+                    unit: float) -> RecordLocation:
     err = max((e for e, _ in feeders), default=None)
     frm = tuple(dict.fromkeys(f for e, f in feeders if e == err))
     basis = "proxy" if feeders else "none"
-    return _classify(r, err, frm, basis, None, amp, feeders)
+    return _classify(r, err, frm, basis, None, amp, feeders, unit)
 
 
 def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, ...],
               input_basis: str, inner: float | None, amp: float,
-              feeders: list[tuple[float, str]]) -> RecordLocation:
+              feeders: list[tuple[float, str]], unit: float) -> RecordLocation:
     err = r.error
     explained = max(input_error or 0.0, inner or 0.0)
     if r.shadow is not None:
@@ -305,9 +322,9 @@ def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, .
         introduced = max(0.0, err - explained) if math.isfinite(err) else math.inf
         if r.within:
             cause = None
-        elif r.basis == "shape" or not explained or err > amp * explained:
+        elif r.basis == "shape" or not explained or err > amp * max(explained, unit):
             cause = "introduced"
         else:
             cause = "inherited"
     return RecordLocation(r.key, err, input_error, input_from, r.within, cause, introduced,
-                          inner, input_basis, tuple(dict.fromkeys(k for _, k in feeders)))
+                          inner, input_basis, tuple(dict.fromkeys(k for _, k in feeders)), unit)

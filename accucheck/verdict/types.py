@@ -35,6 +35,9 @@ class RecordLocation:
     inner_error: float | None = None  # largest error among the children that feed this slot
     input_basis: str = "none"     # one of INPUT_BASES: how input_error was found
     feeders: tuple[str, ...] = ()  # every record considered as feeding it (verdict.flow)
+    rounding: float = 0.0         # the error one rounding of the run's dtype makes (its unit
+                                  # roundoff):
+                                  # what two correct kernels may differ by with exact inputs
 
     @property
     def unattributed(self) -> bool:
@@ -46,6 +49,16 @@ class RecordLocation:
     def explained(self) -> float:
         """The error this record's inputs and recorded children already carry."""
         return max(self.input_error or 0.0, self.inner_error or 0.0)
+
+    @property
+    def gain(self) -> float:
+        """error / what explains it, never taken below one rounding of the run's dtype: the
+        first record where two correct devices round differently (its input bitwise equal)
+        amplifies nothing ("x inf" before)."""
+        if not self.error and not self.explained:
+            return 1.0  # exact and fed exactly: passes on what it gets
+        e = max(self.explained, self.rounding)
+        return self.error / e if e else math.inf
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,19 @@ class NoiseLike:
     tolerance: float
     ratio: float                  # its site's local error / its peers', median over `records`
     records: int                  # the site's records with enough peers
+    # a site without peers (peers == 0) is judged against what feeds it: `ratio` is then the
+    # median of error / what explains it, and `gate` the amplification it stays within
+    gate: float | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why it is not named, in a few words for the reports."""
+        if self.peers == 0:
+            return (f"a site without peers that amplifies what feeds it x{self.ratio:.2g}, "
+                    f"median over its {self.records} request(s) and step(s) (a culprit does "
+                    f"it in every one: > x{self.gate:g})")
+        return (f"a site that introduces {self.ratio:.2g}x what its peers ({self.kind}) do, "
+                f"median (a culprit stands out: > {PEER_GATE:g}x)")
 
 
 @dataclass(frozen=True)
@@ -213,9 +239,7 @@ class Location:
         n = self.noise_like
         if n is None:
             return "diffuse / inherited"
-        return (f"noise-like: the first record to introduce error, {n.key}, is at a site "
-                f"that introduces {n.ratio:.2g}x what its peers do (a culprit stands out: "
-                f"> {PEER_GATE:g}x)")
+        return f"noise-like: the first record to introduce error, {n.key}, is at {n.reason}"
 
 
 class Located(Protocol):
