@@ -1,0 +1,221 @@
+"""False alarms between correct devices, and detection power on them: the real SmolLM2-135M,
+candidates emulated as structurally different correct devices (accucheck.capture.emulate: gpu,
+npu, mixed, dither), each store mode, with and without a control. Not a test: it writes the
+table of docs/control.md ("Correct devices").
+
+    python bench/bench_devices.py [--pairs 12] [--devices gpu,npu,mixed,dither] [--faults]
+
+Clean pairs: prompt pair k (two prompts of a pool of 48, 2 decode steps) captured as
+- the references: float32 and bfloat16 on the CPU (HF, sdpa attention: transformers' default);
+- the control: bfloat16 on the CPU with a dither of its own seed (what `--control-for` makes,
+  on a device that rounds its own way);
+- the candidate: bfloat16 on emulated device D (seed k), teacher-forced to the float32
+  reference's tokens.
+A clean pair is a false alarm when the verdict exits 1, names a culprit or a SUSPICIOUS record
+(no control), or flags a site (with the control).
+
+Faults (--faults): graded faults (tests/planting.py) at layer 14 planted inside the gpu and the
+npu candidate, sized to x2 and x4 their record's natural noise (measured against 3 dither
+controls), full store; "named" is the exact planted module.
+Captures are cached in --work (default ~/.cache/accucheck-bench/devices).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:  # runnable from a source checkout
+        sys.path.insert(0, str(p))
+
+from planting import fault, natural_noise, size_fault  # noqa: E402
+
+POOL = [
+    "def fibonacci(n):", "The capital of France is", "Once upon a time, a small robot",
+    "Q: What is 17 times 23?\nA:", "The mitochondria is the powerhouse of",
+    "import numpy as np\nx = np.arange(10)\n", "Translate to French: good morning",
+    "The three primary colors are", "for (int i = 0; i < n; i++) {", "In 1969, the first humans",
+    "Water boils at", "My favourite book is", "SELECT name FROM users WHERE",
+    "The quick brown fox", "Photosynthesis converts", "def quicksort(arr):",
+    "The largest planet in the solar system is", "To be or not to be,",
+    "A haiku about autumn:\n", "The derivative of x^2 is", "class Stack:\n    def __init__",
+    "Berlin is the capital of", "Dear hiring manager,", "The GDP of a country measures",
+    "Machine learning is", "#include <stdio.h>\nint main() {", "The speed of light is",
+    "Shakespeare wrote", "List three fruits:", "The Pythagorean theorem states",
+    "In a galaxy far, far away", "HTTP status 404 means", "The boiling point of nitrogen",
+    "Write a limerick about a cat:", "The French Revolution began in", "git commit -m",
+    "A prime number is", "The heart pumps blood", "Once, in a quiet village,",
+    "The chemical symbol for gold is", "print('hello')\n", "Neural networks learn by",
+    "The Great Wall of China", "An apple a day", "The square root of 144 is",
+    "Rust's borrow checker", "The Amazon rainforest", "Summer is the season when",
+]
+STEPS = 2
+STRENGTHS = (2.0, 4.0)
+FAULT_KINDS = ("linear", "act", "core", "norm")
+
+
+class Runs:
+    def __init__(self, work: Path):
+        import torch
+        import smollm2
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        d = smollm2.model_dir()
+        self.model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+        self.tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        self.made, self.seconds = 0, 0.0
+
+    def capture(self, name: str, prompts: list[str], store: str, *, dtype: str = "bfloat16",
+                device: str | None = None, seed: int = 0, ref: Path | None = None,
+                planted: tuple[str, str] | None = None, include: tuple[str, ...] = ()) -> Path:
+        from accucheck.capture.api import capture_model
+        from accucheck.capture.emulate import emulated
+        from accucheck.capture.faults import planted as plant
+
+        path = self.work / f"{name}-{store}.h5"
+        if path.exists():
+            return path
+        t = time.perf_counter()
+        tmp = path.with_suffix(".tmp.h5")
+        with (emulated(self.model, device, seed) if device else nullcontext()), \
+                (plant(self.model, *planted) if planted else nullcontext()):
+            capture_model(self.model, prompts, tmp, tokenizer=self.tok, store=store,
+                          max_new_tokens=STEPS, dtype=dtype, include=include, force=True,
+                          tokens_from=str(ref) if ref is not None else None)
+        tmp.rename(path)
+        self.made += 1
+        self.seconds += time.perf_counter() - t
+        return path
+
+
+def judge(ref: Path, cand: Path, control: Path | None) -> dict:
+    from accucheck.verdict.locate import analyze
+
+    a = analyze(ref, cand, controls=[control] if control else ())
+    c = a.culprit
+    out = {"exit": a.exit_code, "culprit": c.module if c is not None else None,
+           "suspicious": [str(s.key) for s in a.location.suspicious][:3]}
+    if a.location.noise is not None:
+        out["flagged"] = [s.site for s in a.location.noise.flagged][:3]
+        out["margin"] = max((s.excess / s.threshold for s in a.location.noise.sites),
+                            default=0.0)
+    return out
+
+
+def alarm(j: dict) -> bool:
+    return j["exit"] != 0 or j["culprit"] is not None or bool(j["suspicious"]) \
+        or bool(j.get("flagged"))
+
+
+def clean_rows(runs: Runs, pairs: int, devices: list[str], stores: list[str]) -> list[dict]:
+    rows = []
+    for k in range(pairs):
+        prompts = POOL[2 * k % len(POOL):2 * k % len(POOL) + 2]
+        for store in stores:
+            r32 = runs.capture(f"p{k}-ref32", prompts, store, dtype="float32")
+            r16 = runs.capture(f"p{k}-ref16", prompts, store, ref=r32)
+            ctl = runs.capture(f"p{k}-ctl", prompts, store, device="dither", seed=1000 + k,
+                               ref=r32)
+            for dev in devices:
+                cand = runs.capture(f"p{k}-{dev}", prompts, store, device=dev, seed=k, ref=r32)
+                row = {"pair": k, "store": store, "device": dev,
+                       "fp32 ref": judge(r32, cand, None), "bf16 ref": judge(r16, cand, None),
+                       "control": judge(r32, cand, ctl)}
+                rows.append(row)
+                print(f"pair {k} {store} {dev}: " + ", ".join(
+                    f"{m}: {'ALARM ' + json.dumps(row[m]) if alarm(row[m]) else 'clean'}"
+                    for m in ("fp32 ref", "bf16 ref", "control")), flush=True)
+    return rows
+
+
+def fault_rows(runs: Runs, devices: list[str]) -> list[dict]:
+    prompts = POOL[:4]
+    ref = runs.capture("f-ref32", prompts, "full", dtype="float32")
+    ctls = [runs.capture(f"f-ctl{i}", prompts, "full", device="dither", seed=500 + i, ref=ref)
+            for i in range(3)]
+    rows = []
+    for kind in FAULT_KINDS:
+        _, site, expect = fault(kind, 14, 0.0)
+        noise = natural_noise(ref, ctls, site)
+        for s in STRENGTHS:
+            def calibration(name, planted, include):
+                return runs.capture(name, prompts, "full", dtype="float32", planted=planted,
+                                    include=include)
+            d = size_fault(calibration, ref, kind, 14, s, noise)
+            if not math.isfinite(d):
+                continue
+            for dev in devices:
+                cand = runs.capture(f"f-{dev}-{kind}-{s}", prompts, "full", device=dev, seed=9,
+                                    ref=ref, planted=fault(kind, 14, d)[0])
+                row = {"device": dev, "kind": kind, "s": s, "expect": expect,
+                       "none": judge(ref, cand, None), "control": judge(ref, cand, ctls[0])}
+                rows.append(row)
+                print(f"fault {dev} {kind} x{s}: none -> {row['none']['culprit']}, control -> "
+                      f"{row['control']['culprit']}", flush=True)
+    return rows
+
+
+def table(clean: list[dict], faulty: list[dict]) -> str:
+    out = ["| device | store | pairs | no control, fp32 ref | no control, bf16 ref | "
+           "1 control | largest control margin |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["device"], r["store"]) for r in clean})
+    for dev, store in keys:
+        rows = [r for r in clean if (r["device"], r["store"]) == (dev, store)]
+        cells = [f"{sum(alarm(r[m]) for r in rows)} / {len(rows)}"
+                 for m in ("fp32 ref", "bf16 ref", "control")]
+        margin = max(r["control"].get("margin", 0.0) for r in rows)
+        out.append(f"| {dev} | {store} | {len(rows)} | " + " | ".join(cells)
+                   + f" | {margin:.2f} |")
+    if faulty:
+        out += ["", "| device | strength | no control: named / wrong | 1 control: named / wrong |",
+                "|---|---|---|---|"]
+        for dev in sorted({r["device"] for r in faulty}):
+            for s in STRENGTHS:
+                rows = [r for r in faulty if r["device"] == dev and r["s"] == s]
+                if not rows:
+                    continue
+                cells = []
+                for m in ("none", "control"):
+                    named = sum(r[m]["culprit"] == r["expect"] for r in rows)
+                    wrong = sum(r[m]["culprit"] not in (None, r["expect"]) for r in rows)
+                    cells.append(f"{named} / {len(rows)} named, {wrong} wrong")
+                out.append(f"| {dev} | x{s:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get(
+        "ACCUCHECK_BENCH_CACHE", Path.home() / ".cache" / "accucheck-bench")) / "devices")
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--devices", default="gpu,npu,mixed,dither")
+    ap.add_argument("--stores", default="stats,full")
+    ap.add_argument("--faults", action="store_true", help="also the graded faults")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    runs = Runs(args.work)
+    t0 = time.perf_counter()
+    devices = args.devices.split(",")
+    clean = clean_rows(runs, args.pairs, devices, args.stores.split(","))
+    faulty = fault_rows(runs, [d for d in devices if d in ("gpu", "npu")]) if args.faults \
+        else []
+    print(table(clean, faulty))
+    print(f"\n{runs.made} captures made ({runs.seconds:.0f} s), total "
+          f"{time.perf_counter() - t0:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"clean": clean, "faulty": faulty}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
