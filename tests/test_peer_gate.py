@@ -74,7 +74,7 @@ def test_norms_that_all_add_bf16_noise_over_tolerance_name_no_culprit():
     line = verdict_line(a)
     assert line.startswith("PASS: nothing introduces more than rounding noise: ")
     assert "introduces 0.9" in line or "introduces 1" in line  # the site's ratio to its peers
-    assert "CULPRIT" not in render(a) and "--control auto" in line
+    assert "CULPRIT" not in render(a) and "--control-for REF" in line
     assert to_json(a)["culprit"] is None
     assert to_json(a)["noise_like"]["key"] == \
         "r0.s0:model.layers.0.post_attention_layernorm#0:out.0"

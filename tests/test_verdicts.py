@@ -360,7 +360,7 @@ def test_diffuse_error_prints_no_culprit(tmp_path):
                            "over the default float32 tolerance carry error accumulated through "
                            "the model (diffuse / inherited); largest at step 0, model.layers.2 "
                            "(out.0): rel_l2 3.00e-04")
-    assert "--control auto" in line
+    assert "--control-for REF" in line
     # with a golden that finds the candidate worse, the same diffuse error fails
     gold = {k: 0.0 for k, *_ in run.ref}
     g = run.analyze(tmp_path, golden=gold)

@@ -322,7 +322,8 @@ def _classify(r: RecordDiff, input_error: float | None, input_from: tuple[str, .
         introduced = max(0.0, err - explained) if math.isfinite(err) else math.inf
         if r.within:
             cause = None
-        elif r.basis == "shape" or not explained or err > amp * max(explained, unit):
+        elif r.basis == "shape" or err > amp * max(explained, unit) or (
+                not explained and r.metrics is not None and r.metrics.nan_inf_mismatch):
             cause = "introduced"
         else:
             cause = "inherited"

@@ -1,0 +1,75 @@
+"""Two correct devices never raise an alarm, on the real SmolLM2-135M (30 layers) in bf16:
+candidates emulated as structurally different correct devices (accucheck.capture.emulate: a
+fused-kernel GPU, an NPU with other rounding choices, a per-layer mix, a dither), against a
+float32 and a bfloat16 CPU reference, without a control, in both store modes: exit 0, no
+culprit, no SUSPICIOUS record. And the power kept: a down_proj fault planted inside the
+fused-kernel candidate at x4 its natural noise is named exactly without a control, and at x2
+with one. Slow: CI runs it (`-m ""`); bench/bench_devices.py measures the rates."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+
+from accucheck.capture.api import capture_model
+from accucheck.capture.emulate import DEVICES, emulated
+from accucheck.capture.faults import planted
+from accucheck.report.diff import verdict_line
+from accucheck.verdict.locate import analyze
+from planting import fault, natural_noise, size_fault
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time, a small robot",
+           "Q: What is 17 times 23?\nA:"]
+
+
+@pytest.fixture(scope="module")
+def cap(smollm2, tmp_path_factory):
+    model, tok = smollm2
+    d = tmp_path_factory.mktemp("devices")
+
+    def capture(name, store="full", *, device=None, seed=0, dtype="bfloat16", fault_=None,
+                include=()):
+        path = d / f"{name}-{store}.h5"
+        if not path.exists():
+            ref = None if name == "ref32" else capture("ref32", store, dtype="float32")
+            # sdpa attention, transformers' default (the fixture loads eager: reset it here)
+            model.set_attn_implementation("sdpa")
+            try:
+                with (emulated(model, device, seed) if device else nullcontext()), \
+                        (planted(model, *fault_) if fault_ else nullcontext()):
+                    capture_model(model, PROMPTS, path, tokenizer=tok, store=store, dtype=dtype,
+                                  max_new_tokens=2, include=include,
+                                  tokens_from=str(ref) if ref else None)
+            finally:
+                model.set_attn_implementation("eager")
+        return path
+    return capture
+
+
+@pytest.mark.parametrize("store", ["stats", "full"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_correct_devices_raise_no_alarm_without_a_control(cap, device, store):
+    cand = cap(device, store, device=device, seed=7)
+    for ref in (cap("ref32", store, dtype="float32"), cap("ref16", store)):
+        a = analyze(ref, cand)
+        assert a.exit_code == 0 and a.culprit is None, (ref.name, a.location.first_divergence)
+        assert a.location.suspicious == ()
+        assert "--control-for REF" in verdict_line(a)
+
+
+def test_a_fault_inside_a_fused_kernel_device_is_named(cap):
+    ref = cap("ref32", dtype="float32")
+    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
+    _, site, expect = fault("linear", 14, 0.0)
+    noise = natural_noise(ref, controls, site)
+
+    def calibration(name, planted_, include):
+        return cap(name, dtype="float32", fault_=planted_, include=include)
+    for s, with_control in ((4.0, False), (2.0, True)):
+        d = size_fault(calibration, ref, "linear", 14, s, noise)
+        cand = cap(f"gpu-linear-{s}", device="gpu", seed=7, fault_=fault("linear", 14, d)[0])
+        a = analyze(ref, cand, controls=controls[:1] if with_control else ())
+        assert a.culprit is not None and a.culprit.module == expect, (s, a.location)
+        assert a.exit_code == 1
