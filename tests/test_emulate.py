@@ -5,6 +5,8 @@ either store mode (issue 33: two correct devices never raise an alarm). The same
 SmolLM2 is tests/test_devices.py (slow)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -17,12 +19,9 @@ PROMPTS = ["one two three four five", "the quick brown fox"]
 
 
 def _logits(model, ids, dtype):
-    m = model.to(dtype)
-    try:
-        with torch.no_grad():
-            return m(torch.tensor([ids])).logits.float()
-    finally:
-        model.to(torch.float32)
+    m = copy.deepcopy(model).to(dtype)  # the fixture's model is shared: never cast it
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits.float()
 
 
 @pytest.mark.parametrize("device", DEVICES)
