@@ -100,10 +100,10 @@ def test_no_fault_and_an_equivalent_fused_kernel_stay_clean(runs, name, ctx):
     assert closest.excess < 0.95 * closest.threshold or closest.z < 0.8 * CONTROL_Z, closest
     assert verdict_line(a).startswith("PASS: ") and "within the noise of 3 control runs" in \
         verdict_line(a)
-    # the dtype tolerance alone calls the same clean candidate a failure: bf16 noise is over
-    # 5e-2 in places, and today's rules name a "culprit" in it (what the control buys)
+    # without the control the same clean candidate passes too: bf16 noise is over 5e-2 in
+    # places, accumulated, and nothing introduces it (it was a FAIL before issue 33)
     plain = analyze(cap("ref"), cand)
-    assert plain.exit_code == 1
+    assert plain.exit_code == 0 and plain.culprit is None and not plain.location.suspicious
 
 
 def test_one_control_is_enough_for_a_clear_fault(runs):

@@ -72,10 +72,12 @@ def test_whole_model_bf16_has_no_culprit(real):
     _, cap = real
     a = analyze(cap("ref"), cap("bf16", "bfloat16"))
     L = a.location
-    assert a.exit_code == 1 and L.first_divergence is None and L.diffuse
+    # over the bf16 tolerance in deep layers, introduced nowhere: accumulated rounding, a PASS
+    # that says so (issue 33: it was a FAIL, as between any two correct bf16 devices)
+    assert a.exit_code == 0 and a.accumulated and L.first_divergence is None and L.diffuse
     assert not any(x.cause == "introduced" for x in L.records)
     assert a.culprit is None and "CULPRIT" not in render(a)
-    assert "no record introduces the error (diffuse / inherited)" in verdict_line(a)
+    assert verdict_line(a).startswith("PASS: nothing introduces more than rounding noise: ")
     assert to_json(a)["culprit"] is None
     # noise-floor calibration: nobody is suspicious in a plain dtype change, with margin
     assert not L.suspicious
