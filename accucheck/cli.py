@@ -219,7 +219,8 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--control", "controls", multiple=True, type=click.Path(dir_okay=False),
               help="control run: the reference's code at the candidate's dtype on a trusted "
                    "device, forced to REF's tokens (`capture --control-for REF`); the candidate "
-                   "is then judged against its noise, record by record (repeatable)")
+                   "is then judged against its noise, record by record (repeatable); `auto`: "
+                   "made here from REF's model directory, beside CAND (CAND.control.h5)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md"]),
               default="table", show_default=True)
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
@@ -271,6 +272,12 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     from accucheck.importers import capture_path  # msprobe dump directory -> temporary capture
     close = click.get_current_context().call_on_close
     ref, cand = (capture_path(p, progress=err, on_close=close) for p in (ref, cand))
+    if "auto" in controls:
+        if len(controls) > 1:
+            raise UserError.usage("--control auto makes the one control run: give it alone")
+        from accucheck.capture.control import auto_control
+
+        controls = (str(auto_control(ref, cand, progress=err)),)
     head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
             + (f" (control {', '.join(controls)})" if controls else "")]
 

@@ -128,3 +128,45 @@ def test_rotary_tables_rounded_to_bf16_are_named_at_rotary_emb(files, tiny, caps
     assert "\nCULPRIT: step 0, " in out and "model.rotary_emb#0\n" in out
     code, out, _ = run(["diff", files / "ref.h5", files / "cast.h5"], capsys)
     assert "model.rotary_emb#0\n" not in out  # the tolerance alone does not see it
+
+
+def test_control_auto_makes_the_control_beside_the_candidate_and_reuses_it(files, capsys,
+                                                                          tmp_path):
+    """`diff --control auto`: REF's meta names the model directory (here it exists), the
+    candidate's dtype sets the control's; the control is written beside CAND, judged with, and
+    reused on the next diff. A clash is refused in one line, nothing overwritten."""
+    import shutil
+
+    cand = tmp_path / "fault.h5"
+    shutil.copy(files / "fault.h5", cand)
+    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
+    made = tmp_path / "fault.control.h5"
+    assert code == 1 and made.is_file() and "control: capturing" in err
+    assert "more than noise" in out.splitlines()[0] and "model.layers.2.mlp.down_proj" in out
+    with open_capture(made) as c:
+        assert c.meta["dtype"] == "bfloat16" and c.meta["control_for"] == str(files / "ref.h5")
+    stamp = made.stat().st_mtime_ns
+    code2, out2, err2 = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
+    assert code2 == 1 and "control: using" in err2 and made.stat().st_mtime_ns == stamp
+    assert out2.splitlines()[0] == out.splitlines()[0]
+    # a file there that is not this reference's control: refused, untouched
+    other = tmp_path / "clean.h5"
+    shutil.copy(files / "clean.h5", other)
+    shutil.copy(files / "fp32.h5", tmp_path / "clean.control.h5")
+    code3, _, err3 = run(["diff", files / "ref.h5", other, "--control", "auto"], capsys)
+    assert code3 == 3 and "is not a complete control of" in err3 and len(err3.splitlines()) == 1
+    code4, _, err4 = run(["diff", files / "ref.h5", other, "--control", "auto", "--control",
+                          files / "ctl.h5"], capsys)
+    assert code4 == 2 and "give it alone" in err4
+
+
+def test_control_auto_without_the_model_here_says_where_to_make_it(files, capsys, tmp_path):
+    import shutil
+
+    cand = tmp_path / "cand.h5"
+    shutil.copy(files / "fault.h5", cand)
+    # clean.h5 was captured through the Python API: its meta names no model directory
+    code, out, err = run(["diff", files / "clean.h5", cand, "--control", "auto"], capsys)
+    assert code == 3 and out == "" and len(err.strip().splitlines()) == 1
+    assert "names no model directory that exists here" in err and "--control-for" in err
+    assert not (tmp_path / "cand.control.h5").exists()

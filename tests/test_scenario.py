@@ -177,3 +177,20 @@ prompts = ["a"]
 capture = "{ref}"
 """))
     assert s.golden is None
+
+
+def test_a_reduced_precision_candidate_gets_a_control_by_default(tmp_path):
+    """issue 33: the calibrated answer is the easy path. A bf16 / fp16 candidate run here is
+    judged against a control (hf eager on the CPU at its dtype, the reference's store and
+    selection, teacher-forced) unless [control] enabled = false; a float32 one is not."""
+    base = 'prompts = ["a"]\nstore = "stats"\n[reference]\ndtype = "float32"\n'
+    s = load_scenario(write(tmp_path, base + '[candidate]\ndtype = "bfloat16"\n'))
+    c = s.control
+    assert (c.runner, c.device, c.mode, c.dtype, c.store, c.teacher_forcing) == \
+        ("hf", "cpu", "eager", "bfloat16", "stats", True)
+    assert load_scenario(write(tmp_path, base + '[candidate]\ndtype = "float32"\n')).control \
+        is None
+    off = base + '[candidate]\ndtype = "bfloat16"\n[control]\nenabled = false\n'
+    assert load_scenario(write(tmp_path, off)).control is None
+    with pytest.raises(UserError, match="enabled"):
+        load_scenario(write(tmp_path, off + 'dtype = "float16"\n'))

@@ -1,5 +1,6 @@
-"""`capture --control-for REF`: the options of a control run made from a reference capture.
-Imports errors, store and capture.api (options); torch only through capture.api.
+"""`capture --control-for REF`: the options of a control run made from a reference capture;
+`diff --control auto` (`auto_control`): that run made here, beside the candidate. Imports
+errors, store and capture.api (options); torch only through capture.api.
 
 A control is the reference's code at the candidate's dtype on a trusted device (bf16 on the
 CPU; or the GPU itself at another batch size or thread count), forced to the reference's
@@ -42,3 +43,42 @@ def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool
                             "tokens_from": str(ref), "shadow": None,
                             "meta_extra": {**opts.meta_extra, "control_for": str(ref)}})
     return [[int(t) for t in q.prompt_ids] for q in requests], new
+
+
+def auto_control(ref: str | Path, cand: str | Path, *, force: bool = False,
+                 progress=None) -> Path:
+    """`diff --control auto`: the control of `ref` at `cand`'s dtype, made here on the CPU
+    from the model directory REF's meta names (hf, eager), written beside CAND as
+    CAND-STEM.control.h5 and reused on the next diff. Checked before anything is written: the
+    model directory must exist here; an existing file there must be a complete control of this
+    REF at that dtype (else a one-line error: nothing is overwritten unless `force`)."""
+    from accucheck.capture.api import capture_dir
+
+    with open_capture(ref) as r:
+        model_dir = r.meta.get("model_path")
+    with open_capture(cand) as c:
+        dtype = c.meta.get("dtype")
+    out = Path(cand).with_name(Path(cand).stem + ".control.h5")
+    if not model_dir or not Path(model_dir).is_dir():
+        raise UserError(f"--control auto: {ref} names no model directory that exists here "
+                        f"({model_dir or 'none recorded'}): make the control where the model "
+                        f"is (accucheck capture MODEL --control-for {ref} --dtype {dtype} -o "
+                        f"ctl.h5) and pass --control ctl.h5")
+    if out.exists() and not force:
+        try:
+            with open_capture(out) as o:
+                same = o.meta.get("control_for") == str(ref) and o.meta.get("dtype") == dtype
+        except UserError:
+            same = False
+        if not same:
+            raise UserError(f"--control auto: {out} exists and is not a complete control of "
+                            f"{ref} at {dtype}: remove it, or pass it as --control {out}")
+        if progress:
+            progress(f"control: using {out} (made earlier for {ref})")
+        return out
+    plist, opts = control_run(ref, CaptureOptions(dtype=dtype or "float32", force=force),
+                              dtype_given=dtype is not None)
+    if progress:
+        progress(f"control: capturing {model_dir} on cpu ({opts.dtype}, eager, store "
+                 f"{opts.store}) for {len(plist)} prompt(s) -> {out}")
+    return capture_dir(model_dir, plist, out, opts, progress=progress)

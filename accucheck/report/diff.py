@@ -84,8 +84,8 @@ def first_difference_line(fd: Divergence) -> str:
 
 
 # the one line every headline without a control run ends with: how to get one
-CONTROL_HINT = ("no control run: `capture MODEL --control-for REF -o ctl.h5`, then "
-                "`diff --control ctl.h5`, judges at the noise scale")
+CONTROL_HINT = ("no control run: `diff --control auto` (or `capture --control-for REF`) "
+                "judges at the noise scale")
 
 
 def verdict_line(a: Analysis) -> str:

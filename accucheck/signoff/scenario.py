@@ -31,10 +31,13 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     dtype = "float64"                       # by default (no [golden] table, reference run
                                             # here): float64 eager on the CPU, teacher-forced
     # enabled = false                       # no referee (a model too big for float64 on CPU)
-    [control]                               # optional: the control run (or capture = "..."),
-                                            # by default hf eager on the CPU at the candidate's
+    [control]                               # the control run (or capture = "..."): by
+                                            # default hf eager on the CPU at the candidate's
                                             # dtype, teacher-forced: it decides "more than
-                                            # noise?" (verdict.noise), not the tolerances
+                                            # noise?" (verdict.noise), not the tolerances. Made
+                                            # by default for a bfloat16 / float16 candidate run
+                                            # here (both runs, no capture = ...)
+    # enabled = false                       # no default control
     dither = 1                              # TESTING ONLY (candidate / control): round like
                                             # another device (faults.dithered(seed))
 
@@ -90,6 +93,7 @@ STORES = ("stats", "full")
 MODES = ("eager", "graph")
 ROLES = ("reference", "candidate", "golden", "control")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+REDUCED = ("float16", "bfloat16")  # a candidate in these gets a [control] run by default
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
                   "half": "float16", "double": "float64", "float": "float32"}
 
@@ -308,14 +312,15 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     for role in ROLES:
         if role not in data:
             if role in ("golden", "control"):
-                runs[role] = None  # the default referee is added below; no default control
+                runs[role] = None  # the default referee and control are added below
                 continue
             runs[role] = _make_run(role, defaults, {}, src)
             continue
         t = top.get(role, dict)
         r = _Reader(src, t, f"{role}.")
-        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role == "golden" else set()))
-        if role == "golden" and not r.get("enabled", bool, True):
+        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role in ("golden", "control")
+                                                   else set()))
+        if role in ("golden", "control") and not r.get("enabled", bool, True):
             if set(t) != {"enabled"}:
                 raise r.fail("enabled", "= false turns the referee off: give no other key")
             runs[role] = None
@@ -354,6 +359,12 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
                             f"is what is trusted")
     if "golden" not in data and runs["reference"].capture is None:
         runs["golden"] = default_golden(defaults)
+    if "control" not in data and runs["reference"].capture is None \
+            and runs["candidate"].capture is None and runs["candidate"].dtype in REDUCED:
+        # a reduced-precision candidate is judged against its dtype's noise by default
+        runs["control"] = _make_run("control", {
+            **control_defaults(defaults, data, runs), "teacher_forcing": True,
+            "routing_replay": runs["candidate"].routing_replay}, {}, src)
     thr = _thresholds(top.get("thresholds", dict, {}), src)
     prev = top.get("previous", str)
     previous = rel(prev)
