@@ -315,6 +315,41 @@ def test_hf_against_vllm_leaf_by_leaf_within_fp32_noise(hf_on_vllm_tokens, eager
 
 
 @vllm_mark
+def test_hf_against_vllm_in_the_default_stats_store_compares_leaf_by_leaf(tiny_dir, work,
+                                                                         capsys):
+    """issue 33: `accucheck capture MODEL` (HF) against `accucheck capture MODEL --runner vllm
+    --tokens-from ...`, both in the default store (stats): the vLLM capture records q / k / v
+    and gate / up themselves, act_fn's act(gate) * up is down_proj's input (never compared
+    with transformers' act_fn output under one key): exit 0, every leaf compared."""
+    from accucheck.cli import main
+    from accucheck.compare.diff import diff_captures
+
+    hf, vl = work / "hf_stats.h5", work / "vllm_stats.h5"
+    prompts = sum((["--prompt", p] for p in PROMPTS), [])
+    for args in (["capture", str(tiny_dir), *prompts, "--max-new-tokens", str(N_NEW),
+                  "-o", str(hf)],
+                 ["capture", str(tiny_dir), "--runner", "vllm", *prompts, "--max-new-tokens",
+                  str(N_NEW), "--tokens-from", str(hf), "-o", str(vl),
+                  *sum((["--engine-arg", f"{k}={v}"] for k, v in ENGINE.items()), [])]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 0
+    d = diff_captures(hf, vl)
+    compared = {r.key.module.rsplit(".", 1)[-1] + ":" + r.key.role for r in d.records
+                if r.basis != "shape"}
+    assert {"q_proj:out", "k_proj:out", "v_proj:out", "gate_proj:out", "up_proj:out",
+            "down_proj:in", "o_proj:in"} <= compared
+    # transformers' act_fn output (act(gate)) has no vLLM counterpart: one side only
+    assert "act_fn:out" not in compared
+    assert any(k.module.endswith("mlp.act_fn") for k in d.missing)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["diff", str(hf), str(vl)])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out.splitlines()[0]
+
+
+@vllm_mark
 def test_a_fault_in_vllms_k_part_is_named_at_k_proj(tiny_dir, work, hf_on_vllm_tokens, eager):
     """Layer 1's fused q|k|v output has its k columns scaled by 1.05 in vLLM: against
     transformers, the culprit is model.layers.1.self_attn.k_proj (not the decoder layer)."""

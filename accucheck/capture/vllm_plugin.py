@@ -222,6 +222,11 @@ class Collector:
         if not cfg.include:
             self.modules = vllm_default(self.model, self.modules)
         self.kinds = {n: type(by_name[n]).__name__ for n in self.modules}
+        # stats store, one rank: a fused layer's output also recorded as transformers' leaves
+        # (q / k / v, gate / up), so a stats capture compares leaf by leaf (compare.mapping)
+        self._splits = {n: parts for n in self.modules
+                        if (parts := _fused_parts(by_name[n])) is not None} \
+            if not cfg.full and self.tp_size == 1 else {}
         self.handles: list[Any] = []
         self.buffers: list[tuple[str, str, str, torch.nn.Module, str]] = []  # graph mode
         self.skipped: dict[str, str] = {}
@@ -418,7 +423,8 @@ class Collector:
         gates = {g for _e, g in self.routers}
         for req, step, s0, cnt in plan:
             pieces = [(name, role, call, slot, t.unsqueeze(0))
-                      for name, role, call, slot, t in _hf_equivalent(items, s0, cnt, gates)]
+                      for name, role, call, slot, t in _split_leaves(
+                          _hf_equivalent(items, s0, cnt, gates), self._splits)]
             if not pieces:
                 continue
             full = self.cfg.full
@@ -656,6 +662,22 @@ def _hf_equivalent(items, s0: int, cnt: int, routers: set[str] = frozenset()):
             continue
         for slot, t in slots:
             yield name, role, call, slot if slot == "0" else f"{VLLM_SLOT}.{slot}", t
+
+
+def _split_leaves(pieces, splits: dict[str, list[tuple[str, int]]]):
+    """Each piece, and after a fused layer's output ("out" "0" of a module in `splits`) its
+    parts along the last dimension under transformers' leaf names (q_proj, k_proj, v_proj /
+    gate_proj, up_proj)."""
+    for name, role, call, slot, t in pieces:
+        yield name, role, call, slot, t
+        parts = splits.get(name)
+        if parts is None or role != "out" or slot != "0" \
+                or t.shape[-1] != sum(n for _, n in parts):
+            continue
+        prefix, start = name.rsplit(".", 1)[0], 0
+        for leaf, n in parts:
+            yield f"{prefix}.{leaf}", role, call, slot, t[..., start:start + n].contiguous()
+            start += n
 
 
 def _tp_rank_size() -> tuple[int, int]:

@@ -18,8 +18,11 @@ culprit inside them could only be named at the decoder layer. A vLLM capture is 
 Under tensor parallel each rank holds its heads / columns of these outputs (`<slot>.rank<r>`,
 meta tensor_parallel.shards): the q / k / v (gate / up) part of every rank is cut first (sizes
 divided by the TP size), then the ranks' parts are joined in rank order; the renamed sharded
-outputs are joined likewise. A mapped record is read from the fused one, so it needs its values
-(--store full); with statistics only the fused records stay as they are (a note says so). When
+outputs are joined likewise. A split record is read from the fused one, so it needs its values
+(--store full); in the stats store the vLLM capture records the leaves' statistics itself (one
+rank: accucheck.capture.vllm_plugin) and the fused record is hidden, a renamed record keeps its
+statistics under its new key; what still has statistics only (tensor-parallel shards) stays as
+it is, on one side, never compared with another quantity (a note says so). When
 the capture already holds the target (o_proj's / down_proj's input recorded with --inputs, the
 very tensor attn / act_fn returned) the source is hidden; the fused norm's residual stays
 under its vllm slot (vLLM's norm input is another tensor).
@@ -200,6 +203,13 @@ class MappedCapture:
         rows = [by_rank[r] for r in ranks]
         if rule == "dropped":
             return []
+        if rule == "fused" and sz is not None and all(
+                str(RecordKey(base.req, base.step, f"{base.module.rsplit('.', 1)[0]}.{name}",
+                              base.call, "out", "0")) in present
+                for name, _ in FUSED[base.module.rsplit(".", 1)[-1]]):
+            return []  # the capture split it into the leaves itself (stats store): hidden
+        if rule == "renamed" and len(rows) == 1 and not rows[0].has_data:
+            return self._renamed_stats(base, rows[0], present)
         if not all(r.has_data for r in rows) or (len(rows) > 1 and ranks != list(range(tp))):
             self.unmapped += len(rows)
             return None
@@ -236,12 +246,7 @@ class MappedCapture:
                 out.append(self._virtual(first, key, values[name],
                                          lambda name=name: joined_parts(spec)[name]))
             return out
-        ((suffix, _rs), (to_suffix, to_rs)), = [
-            (k, v) for k, v in RENAMED.items()
-            if base.module.endswith(k[0]) and f"{base.role}.{base.slot}" == k[1]]
-        module = base.module[: len(base.module) - len(suffix)] + to_suffix
-        role, slot = to_rs.split(".", 1)
-        key = RecordKey(base.req, base.step, module, base.call, role, slot)
+        key, suffix, to_suffix = _renamed_key(base)
         if str(key) in present:  # recorded by --inputs: attn's / act_fn's output IS that
             # input (hidden: its own name would mean act(gate) to transformers); the fused
             # norm's residual is not vLLM's norm input (kept under its vllm slot)
@@ -252,12 +257,33 @@ class MappedCapture:
             return joined_parts(spec)["all"] if len(rows) > 1 else reader.read(first.key)
         return [self._virtual(first, key, whole(), whole)]
 
+    def _renamed_stats(self, base: RecordKey, row: IndexRow, present: set[str]
+                       ) -> list[IndexRow] | None:
+        """A renamed record with statistics only (one rank): the same row under its
+        transformers key; a rename needs no values. vLLM's act_fn output (act(gate) * up) is
+        down_proj's input, never compared with transformers' act_fn output (act(gate))."""
+        key, suffix, to_suffix = _renamed_key(base)
+        if str(key) in present:
+            return [] if to_suffix != suffix else None
+        self._make[str(key)] = lambda: self._r.read(row.key)
+        return [replace(row, key=key)]
+
     def _virtual(self, like: IndexRow, key: RecordKey, value: np.ndarray,
                  make: Callable[[], np.ndarray]) -> IndexRow:
         stats, checksum = _stats(value)
         self._make[str(key)] = make
         return replace(like, key=key, shape=tuple(value.shape), stats=stats, checksum=checksum,
                        data=f"mapped:{like.data}", extra="", sample=None)
+
+
+def _renamed_key(base: RecordKey) -> tuple[RecordKey, str, str]:
+    """(transformers key, vLLM suffix, transformers suffix) of a RENAMED record."""
+    ((suffix, _rs), (to_suffix, to_rs)), = [
+        (k, v) for k, v in RENAMED.items()
+        if base.module.endswith(k[0]) and f"{base.role}.{base.slot}" == k[1]]
+    module = base.module[: len(base.module) - len(suffix)] + to_suffix
+    role, slot = to_rs.split(".", 1)
+    return RecordKey(base.req, base.step, module, base.call, role, slot), suffix, to_suffix
 
 
 def maybe_mapped(reader: Any) -> Any:
