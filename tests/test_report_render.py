@@ -148,8 +148,8 @@ def test_fail_line_diffuse_names_first_and_largest():
     assert verdict_line(d.analysis()) == (
         "PASS: nothing introduces more than rounding noise: 2 of 3 records over the default "
         "tolerance carry error accumulated through the model (diffuse / inherited); largest at "
-        "step 0, b (out.0): rel_l2 0.07 [no control run: `capture MODEL --control-for REF -o "
-        "ctl.h5`, then `diff --control ctl.h5`, judges at the noise scale]")
+        "step 0, b (out.0): rel_l2 0.07 [no control run: `diff --control auto` (or `capture "
+        "--control-for REF`) judges at the noise scale]")
     one = D().add(E0, 6e-3).add(A, 2e-2, src={"0": "e#0:out.0"})
     assert verdict_line(one.analysis(golden_path="g.h5")) == (
         "FAIL: 1 records over tolerance, but no record introduces the error (diffuse / "

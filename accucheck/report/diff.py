@@ -424,14 +424,12 @@ def to_text(a: Analysis, md: bool = False) -> str:
         n, wo = L.noise_like, L.worst
         out += ["", ("### " if md else "") + "No culprit",
                 f"The first record to introduce error over tolerance, {n.key}, introduces "
-                f"{_g(n.local)} (local rel_l2; its {n.peers} peers {_g(n.peers_median)}, median). "
-                f"Over its site's {n.records} request(s) and step(s), it introduces {_g(n.ratio)}x "
-                f"what its peers ({n.kind}) do, median; a culprit stands out by more than "
-                f"{_g(PEER_GATE)}x. This is what rounding noise at this dtype looks like in a "
-                f"deep model (or a defect that every {n.kind} shares). Largest at {_where(wo)}: "
-                f"rel_l2 {_g(wo.error)}. A control run judges at the noise scale: `accucheck "
-                f"capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck diff REF CAND "
-                f"--control ctl.h5` (docs/control.md)."]
+                f"{_g(n.local)} (local rel_l2) and is at {n.reason}. This is what rounding "
+                f"noise at this dtype looks like in a deep model (or a defect that every "
+                f"{n.kind} shares). Largest at {_where(wo)}: rel_l2 {_g(wo.error)}. A control "
+                f"run judges at the noise scale: `accucheck diff REF CAND --control auto`, or "
+                f"`accucheck capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck "
+                f"diff REF CAND --control ctl.h5` (docs/control.md)."]
     elif L.diffuse:
         wo = L.worst
         out += ["", ("### " if md else "") + "No culprit",
