@@ -5,7 +5,8 @@ table of docs/control.md ("Correct devices").
 
     python bench/bench_devices.py [--pairs 12] [--devices gpu,npu,mixed,dither] [--faults]
 
-Clean pairs: prompt pair k (two prompts of a pool of 48, 2 decode steps) captured as
+Clean pairs: pair k (--prompts-per-pair prompts, default 2, of a pool of 48 with prefixed
+variants once it is used up; 2 decode steps) captured as
 - the references: float32 and bfloat16 on the CPU (HF, sdpa attention: transformers' default);
 - the control: bfloat16 on the CPU with a dither of its own seed (what `--control-for` makes,
   on a device that rounds its own way);
@@ -117,17 +118,31 @@ def alarm(j: dict) -> bool:
         or bool(j.get("flagged"))
 
 
-def clean_rows(runs: Runs, pairs: int, devices: list[str], stores: list[str]) -> list[dict]:
+VARIANTS = ("", "Answer briefly. ", "Note: ", "Continue: ")  # more distinct prompts than POOL
+
+
+def pair_prompts(k: int, per_pair: int) -> list[str]:
+    """Pair k's prompts: `per_pair` of POOL in turn, a prefix of VARIANTS once POOL is used up."""
+    out = []
+    for j in range(per_pair):
+        i = k * per_pair + j
+        out.append(VARIANTS[(i // len(POOL)) % len(VARIANTS)] + POOL[i % len(POOL)])
+    return out
+
+
+def clean_rows(runs: Runs, pairs: int, devices: list[str], stores: list[str],
+               per_pair: int = 2) -> list[dict]:
     rows = []
     for k in range(pairs):
-        prompts = POOL[2 * k % len(POOL):2 * k % len(POOL) + 2]
+        prompts = pair_prompts(k, per_pair)
         for store in stores:
-            r32 = runs.capture(f"p{k}-ref32", prompts, store, dtype="float32")
-            r16 = runs.capture(f"p{k}-ref16", prompts, store, ref=r32)
-            ctl = runs.capture(f"p{k}-ctl", prompts, store, device="dither", seed=1000 + k,
+            tag = f"p{k}x{per_pair}"
+            r32 = runs.capture(f"{tag}-ref32", prompts, store, dtype="float32")
+            r16 = runs.capture(f"{tag}-ref16", prompts, store, ref=r32)
+            ctl = runs.capture(f"{tag}-ctl", prompts, store, device="dither", seed=1000 + k,
                                ref=r32)
             for dev in devices:
-                cand = runs.capture(f"p{k}-{dev}", prompts, store, device=dev, seed=k, ref=r32)
+                cand = runs.capture(f"{tag}-{dev}", prompts, store, device=dev, seed=k, ref=r32)
                 row = {"pair": k, "store": store, "device": dev,
                        "fp32 ref": judge(r32, cand, None), "bf16 ref": judge(r16, cand, None),
                        "control": judge(r32, cand, ctl)}
@@ -198,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get(
         "ACCUCHECK_BENCH_CACHE", Path.home() / ".cache" / "accucheck-bench")) / "devices")
     ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--prompts-per-pair", type=int, default=2)
     ap.add_argument("--devices", default="gpu,npu,mixed,dither")
     ap.add_argument("--stores", default="stats,full")
     ap.add_argument("--faults", action="store_true", help="also the graded faults")
@@ -206,7 +222,7 @@ def main(argv=None) -> int:
     runs = Runs(args.work)
     t0 = time.perf_counter()
     devices = args.devices.split(",")
-    clean = clean_rows(runs, args.pairs, devices, args.stores.split(","))
+    clean = clean_rows(runs, args.pairs, devices, args.stores.split(","), args.prompts_per_pair)
     faulty = fault_rows(runs, [d for d in devices if d in ("gpu", "npu")]) if args.faults \
         else []
     print(table(clean, faulty))

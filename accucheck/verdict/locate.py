@@ -21,12 +21,15 @@ module's uncovered code (the attention core, seen at o_proj's input). When recor
 there is NO first divergence: `first_over` and `worst` say where the diffuse / inherited error
 shows first and where it is largest, and no culprit is named.
 
-Peer gate (no control, no golden referee): the first record over tolerance that introduces
-error is the first divergence only when its site's local error stands out from its peers'
-(more than PEER_GATE x their median, over the site's prefill or decode records:
-`peer_gate`); else it is `noise_like` and no culprit is named. In a bfloat16 run of a deep model every layer's norms
-go over a float32 tolerance by rounding alone: without the gate, every clean SmolLM2 pair
-named one of them (docs/control.md).
+Peer gate (no control, no golden referee): a record over tolerance that introduces error is
+the first divergence only when its site's local error stands out from its peers' (more than
+PEER_GATE x their median, over the site's prefill or decode records; a site without peers,
+such as the logits, against what feeds it: `_Gate`); the records that introduce error are
+judged in execution order until one stands out, the first that does not is `noise_like`. In
+a bfloat16 run of a deep model every layer's norms go over a float32 tolerance by rounding
+alone: without the gate, every clean SmolLM2 pair named one of them (docs/control.md). Records
+over tolerance that nothing introduces, past the gate, are accumulated rounding: the verdict
+passes (`Analysis.within`, `Analysis.accumulated`).
 
 First difference: when the first records in execution order are identical on both sides
 (eager vs graph on one machine: the compiled program computes the same up to a point), the
