@@ -400,3 +400,31 @@ def test_bad_options_are_user_errors(tiny_dir, tmp_path, opts, engine, msg):
 
     with pytest.raises(UserError, match=msg):
         capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(**opts), engine)
+
+
+def test_log_probabilities_where_raw_logits_were_asked_are_refused():
+    """issue 34: vllm-ascend's AscendSampler ignores logprobs_mode and returns raw_logprobs.
+    A fake output whose sampled rows are log-softmax rows (the prompt rows honour the mode) is
+    refused in one line; raw logits pass."""
+    from types import SimpleNamespace
+
+    from accucheck.capture.vllm_runner import _step_logits
+
+    rng = np.random.default_rng(0)
+    vocab, n_prompt, n_new = 16, 3, 2
+
+    def rows(n, logprobs):
+        x = rng.normal(size=(n, vocab)) * 3
+        if logprobs:
+            x = x - np.log(np.exp(x).sum(-1, keepdims=True))
+        return [None if i < 0 else {t: SimpleNamespace(logprob=float(x[i, t]))
+                                     for t in range(vocab)} for i in range(n)]
+
+    def output(sampled_logprobs):
+        prompt = [None] + rows(n_prompt - 1, False)
+        return SimpleNamespace(prompt_logprobs=prompt, outputs=[SimpleNamespace(
+            logprobs=rows(n_new + 1, sampled_logprobs))])
+    steps = _step_logits(output(False), n_prompt, n_new, vocab)
+    assert [s.shape for s in steps] == [(1, 3, 16), (1, 1, 16), (1, 1, 16)]
+    with pytest.raises(UserError, match="log-probabilities, not raw logits, at the sampled"):
+        _step_logits(output(True), n_prompt, n_new, vocab)

@@ -546,9 +546,30 @@ def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarr
     if prompt.shape[0] != n_prompt or sample.shape[0] != n_new + 1:
         raise RuntimeError(f"vLLM logprobs cover {prompt.shape[0]} prompt and {sample.shape[0]} "
                            f"sampled positions, expected {n_prompt} and {n_new + 1}")
+    for what, rows in (("prompt", prompt[1:]), ("sampled", sample)):
+        check_raw_logits(rows, what)
     steps = [np.concatenate([prompt[1:], sample[:1]])[None]]
     steps += [sample[k:k + 1][None] for k in range(1, n_new + 1)]
     return steps
+
+
+def check_raw_logits(rows: np.ndarray, what: str) -> None:
+    """Refuse rows that are log-probabilities (logsumexp about 0) where raw logits were asked
+    (logprobs_mode raw_logits): a platform sampler that ignores the engine's logprobs_mode
+    returns them (vllm-ascend's AscendSampler defaults to raw_logprobs). Raw logits whose
+    logsumexp is within 1e-3 of 0 at every position do not happen by chance."""
+    rows = rows[np.isfinite(rows).all(axis=-1)] if rows.size else rows
+    if not rows.size:
+        return
+    x = rows.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    lse = (m[..., 0] + np.log(np.exp(x - m).sum(axis=-1)))
+    if np.all(np.abs(lse) < 1e-3):
+        raise UserError(f"vLLM returned log-probabilities, not raw logits, at the {what} "
+                        f"positions (logsumexp {float(np.max(np.abs(lse))):.1e} at every one): "
+                        f"the platform's sampler ignores logprobs_mode=raw_logits "
+                        f"(vllm-ascend's AscendSampler uses raw_logprobs); a diff would blame "
+                        f"the logits: refused")
 
 
 def dense_logits(logprobs, vocab: int) -> np.ndarray:
