@@ -526,4 +526,14 @@ def main(argv: list[str] | None = None) -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         err("accucheck: interrupted")
         sys.exit(EXIT_BAD_INPUT)
+    except RuntimeError as e:
+        if not str(e).startswith("Failed to load the backend extension"):
+            raise  # a bug: keep its traceback
+        # `import torch` loads every installed device backend (torch_npu on an Ascend host):
+        # without CANN's environment it fails, whatever --device says
+        err(f"accucheck: error: importing torch failed: {one_line(str(e).split('.')[0])} "
+            f"({type(e.__cause__).__name__}: {one_line(str(e.__cause__))}): on an Ascend host "
+            f"source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh), or "
+            f"run CPU-only commands with TORCH_DEVICE_BACKEND_AUTOLOAD=0")
+        sys.exit(EXIT_BAD_INPUT)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -692,3 +692,35 @@ def test_readme_documents_the_exit_codes_and_the_rule():
         assert rule in " ".join(section.split())
     for code in ("0", "1", "2", "3"):
         assert f"\n{code}  " in errors.__doc__
+
+
+def test_a_device_backend_that_fails_at_import_torch_is_one_line(tmp_path):
+    """issue 34: on an Ascend host `import torch` autoloads torch_npu (entry point group
+    torch.backends); without CANN's set_env.sh it fails, and every command died with torch's
+    traceback. A fake backend that fails the same way: one line naming set_env.sh and
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0, exit 3, nothing written."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "fake_npu.py").write_text(
+        "def autoload():\n    raise ImportError('libhccl.so: cannot open shared object file')\n")
+    info = tmp_path / "fake_npu-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-npu\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\nfake_npu = fake_npu:autoload\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    out = tmp_path / "x.h5"
+    p = subprocess.run([sys.executable, "-c", "from accucheck.cli import main; main()",
+                        "capture", "@tiny", "--device", "cpu", "--prompt", "a", "-o", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1, p.stderr
+    assert "importing torch failed" in lines[0] and "set_env.sh" in lines[0]
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in lines[0] and "libhccl.so" in lines[0]
+    assert not out.exists()
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # what the line says works
+    q = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
+    assert q.returncode == 0
