@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from accucheck.compare.metrics import DTYPE_EPS, TensorMetrics
 from accucheck.compare.opmatch import OpAlignment
 from accucheck.compare.routing import JUDGED_ELSEWHERE, RoutingResult
-from accucheck.compare.tolerances import Tolerance, ToleranceTable
+from accucheck.compare.tolerances import NEAR_TIE_FACTOR, Tolerance, ToleranceTable
 from accucheck.keys import RecordKey
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
@@ -158,7 +158,8 @@ class LogitsPosition:
     top1_cand: int
     top5_overlap: float
     margin: float              # reference top-1 minus top-2 logit
-    noise: float               # std over the vocabulary of cand - ref
+    noise: float               # std over the vocabulary of cand - ref (a near-tie:
+                               # margin <= NEAR_TIE_FACTOR x noise)
 
     @property
     def agree(self) -> bool:
@@ -166,7 +167,7 @@ class LogitsPosition:
 
     @property
     def near_tie(self) -> bool:
-        return self.margin <= self.noise
+        return self.margin <= NEAR_TIE_FACTOR * self.noise
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class TokenFlip:
     def near_tie(self) -> bool | None:
         if self.margin is None or self.noise is None:
             return None
-        return self.margin <= self.noise
+        return self.margin <= NEAR_TIE_FACTOR * self.noise
 
     @property
     def label(self) -> str:

@@ -89,6 +89,13 @@ CONTROL_ERROR_FLOOR = 0.01
 # a site upstream of the first one more than noise, in its layer, that feeds it and stands at
 # least this fraction of its own threshold is named as the origin (verdict.noise)
 CONTROL_ORIGIN = 0.9
+# A token flip is a near-tie when the reference's top-1 / top-2 margin is at most this many
+# times the logit noise (the std over the vocabulary of cand - ref at that position): the flip
+# needs d(top-2) - d(top-1) > margin, whose spread is sqrt(2) x the noise and larger at the top
+# logits (bf16 errors scale with the logit). Measured: two correct bf16 devices (emulated gpu,
+# npu, mixed, dither against a float32 reference, bench/bench_devices.py) flipped SmolLM2's
+# first token at margin 0.118 against noise 0.055-0.105 (x1.1-x2.1): "real" at x1 before.
+NEAR_TIE_FACTOR = 3.0
 NOISE_FLOOR_MIN_FRACTION = 0.05
 NOISE_FLOOR_MIN_PEERS = 3
 NOISE_FLOOR_WINDOW = 4

@@ -15,7 +15,8 @@ from typing import Any
 
 from accucheck.compare.results import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
-from accucheck.compare.tolerances import CONTROL_ORIGIN, PEER_GATE, loosest_dtype
+from accucheck.compare.tolerances import (CONTROL_ORIGIN, NEAR_TIE_FACTOR, PEER_GATE,
+                                          loosest_dtype)
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
@@ -232,8 +233,8 @@ def _control_line(a: Analysis, weaker: str) -> str:
 def _flip_why(f: TokenFlip) -> str:
     if f.near_tie is None:
         return "no logits stored to tell a near-tie from a real flip (capture with --store full)"
-    return (f"reference margin {_g(f.margin)} vs logit noise {_g(f.noise)}: "
-            f"{'a near-tie' if f.near_tie else 'a real flip'}")
+    return (f"reference margin {_g(f.margin)} vs logit noise {_g(f.noise)} (a near-tie up to "
+            f"x{NEAR_TIE_FACTOR:g}): {'a near-tie' if f.near_tie else 'a real flip'}")
 
 
 # ----------------------------------------------------------------------------- json
