@@ -170,3 +170,27 @@ def test_control_auto_without_the_model_here_says_where_to_make_it(files, capsys
     assert code == 3 and out == "" and len(err.strip().splitlines()) == 1
     assert "names no model directory that exists here" in err and "--control-for" in err
     assert not (tmp_path / "cand.control.h5").exists()
+
+
+def test_control_auto_of_a_reference_made_as_the_control_would_be_is_refused(files, capsys,
+                                                                           tmp_path):
+    """A bf16 CPU eager reference: its control would compute exactly what it does (no noise
+    measured, every difference 'more than noise'): refused in one line, nothing written."""
+    import shutil
+
+    ref16 = tmp_path / "ref16.h5"
+    code, _, _ = run(["capture", _tiny(files), "--prompt",
+                      "one two three", "--dtype", "bfloat16", "-o", ref16], capsys)
+    assert code == 0
+    cand = tmp_path / "c.h5"
+    shutil.copy(ref16, cand)
+    code, out, err = run(["diff", ref16, cand, "--control", "auto"], capsys)
+    assert code == 3 and "measures no noise" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c.control.h5").exists()
+
+
+def _tiny(files):
+    from accucheck.store import open_capture
+
+    with open_capture(files / "ref.h5") as r:
+        return r.meta["model_path"]

@@ -94,13 +94,14 @@ def test_leaf_and_rotary_faults_are_named_at_the_leaf(real, module):
     assert a.culprit.where == f"{module}#0"
 
 
-def test_bf16_accumulating_linear_is_suspicious_at_that_linear(real):
-    """bf16 vs bf16, one Linear keeping its partial sums in bf16: its error (5e-3) is under the
-    bf16 tolerance, but it amplifies what feeds it far beyond its peers. Downstream, the decode
-    logits land near the bf16 tolerance (0.049 here, 0.054 on another machine): the verdict must
-    name the Linear either way, so it is checked on both sides of that line (the logits'
-    tolerance moved to 0.04): a PASS with SUSPICIOUS, or a diffuse FAIL whose headline names
-    the suspicious record upstream; never a culprit downstream."""
+def test_bf16_accumulating_linear_is_the_first_difference_and_no_culprit_downstream(real):
+    """bf16 vs bf16 of the same code, one Linear keeping its partial sums in bf16: every record
+    before it is bitwise equal, its error (5e-3) is about one bf16 rounding (2^-8 = 3.9e-3)
+    over an exact input, as a correct fused kernel's first rounding difference is (0.6 to 1.05
+    roundings measured, docs/control.md "Correct devices"). It is the first difference, named
+    as such in every report; it is not SUSPICIOUS since issue 33 (it was x inf over an exact
+    input), and nothing downstream is ever named: checked on both sides of the logits'
+    tolerance (0.049 here, 0.054 on another machine; moved to 0.04)."""
     from accucheck.compare.tolerances import ToleranceTable
 
     _, cap = real
@@ -108,15 +109,12 @@ def test_bf16_accumulating_linear_is_suspicious_at_that_linear(real):
     cand = cap("acc", "bfloat16", ("model.layers.8.mlp.down_proj", "acc:bf16:64"))
     for tol in (None, ToleranceTable.from_options(overrides=["logits=0.04"])):
         a = analyze(ref16, cand, tolerances=tol)
-        sus = a.location.suspicious
-        assert sus and {s.key.module for s in sus} == {"model.layers.8.mlp.down_proj"}
-        assert sus[0].within and sus[0].error < 0.05 and sus[0].ratio > NOISE_FLOOR_FACTOR
+        fd = a.location.first_difference
+        assert fd is not None and fd.module == "model.layers.8.mlp.down_proj", fd
+        assert 2.0 ** -8 < fd.error < 3 * 2.0 ** -8  # one to three roundings
         assert a.culprit is None or a.culprit.module == "model.layers.8.mlp.down_proj"
-        line = verdict_line(a)
-        assert "SUSPICIOUS" in line and "model.layers.8.mlp.down_proj" in line, line
-        assert "model.layers.8.mlp.down_proj" in render(a)
-        if tol is not None:  # the logits are over the moved tolerance: not a PASS
-            assert line.startswith("FAIL: ") and "SUSPICIOUS upstream" in line, line
+        assert {s.key.module for s in a.location.suspicious} <= {"model.layers.8.mlp.down_proj"}
+        assert "First difference: step 0, model.layers.8.mlp.down_proj (out.0)" in render(a)
 
 
 def test_noise_floor_margin_on_the_real_model(real):

@@ -36,7 +36,8 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
                                             # dtype, teacher-forced: it decides "more than
                                             # noise?" (verdict.noise), not the tolerances. Made
                                             # by default for a bfloat16 / float16 candidate run
-                                            # here (both runs, no capture = ...)
+                                            # here (both runs, no capture = ...), unless the
+                                            # reference is that very run (hf eager cpu)
     # enabled = false                       # no default control
     dither = 1                              # TESTING ONLY (candidate / control): round like
                                             # another device (faults.dithered(seed))
@@ -359,9 +360,12 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
                             f"is what is trusted")
     if "golden" not in data and runs["reference"].capture is None:
         runs["golden"] = default_golden(defaults)
-    if "control" not in data and runs["reference"].capture is None \
-            and runs["candidate"].capture is None and runs["candidate"].dtype in REDUCED:
-        # a reduced-precision candidate is judged against its dtype's noise by default
+    ref, cand = runs["reference"], runs["candidate"]
+    if "control" not in data and ref.capture is None and cand.capture is None \
+            and cand.dtype in REDUCED and (ref.runner, ref.device, ref.mode, ref.dtype) != \
+            ("hf", "cpu", "eager", cand.dtype):
+        # a reduced-precision candidate is judged against its dtype's noise by default (not
+        # when the control would compute exactly what the reference does: no noise measured)
         runs["control"] = _make_run("control", {
             **control_defaults(defaults, data, runs), "teacher_forcing": True,
             "routing_replay": runs["candidate"].routing_replay}, {}, src)
