@@ -952,12 +952,12 @@ def _logits_rows(gains: list[float], fed: float = 0.02) -> Analysis:
 def test_one_logits_row_that_amplifies_by_chance_is_not_named():
     """Decode rows of the logits amplify what feeds them x1.2 ... x4.5 between two correct
     bf16 devices (measured on SmolLM2): the one over x4 and over tolerance was the culprit.
-    A site without peers is judged against what feeds it over its records: median x1.35."""
+    A site without peers is judged against what feeds it over its records: median x1.5."""
     a = _logits_rows([1.0, 1.2, 1.5, 4.5])
     assert a.culprit is None and a.exit_code == 0 and a.accumulated
     n = a.location.noise_like
-    assert n.peers == 0 and n.ratio == pytest.approx(1.35) and n.gate == 4.0
-    assert "a site without peers that amplifies what feeds it x1.4" in a.location.no_culprit_reason
+    assert n.peers == 0 and n.ratio == pytest.approx(1.5) and n.gate == 4.0
+    assert "a site without peers that amplifies what feeds it x1.5" in a.location.no_culprit_reason
 
 
 def test_a_logits_site_that_amplifies_in_every_row_is_named():

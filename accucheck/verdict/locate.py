@@ -235,20 +235,19 @@ class _Gate:
     request and step; at least `min_peers`): its local error over their median local error
     (floored at NOISE_FLOOR_MIN_FRACTION x the tolerance: peers that introduce nothing,
     containers whose children explain them, make no infinite ratio). Noise-like: the median of
-    that ratio over every record of the site (prefill and decode) is at most `factor`. A kernel
-    fault raises every record of its site; rounding noise that pushes one record over the
-    tolerance first does not (in a bf16 run of a deep model, some layer's norm always does),
-    and neither does one single-token decode record (measured: a correct device's layer-2
-    attention core x5.8 its peers at one decode step, x3.7 at the next, x1.1 at the prefill of
-    the same prompt; the mean of the two decode records named it before). Of records whose
-    error is an estimate (stats store: rel_l2 from statistics and sampled values), the lower
-    median is taken (`_median`).
+    that ratio over the site's prefill records, and over its decode records (other kernels),
+    are both at most `factor`. A kernel fault raises every record of its site; rounding noise
+    that pushes one record over the tolerance first does not (in a bf16 run of a deep model,
+    some layer's norm always does). Both phases count: a fault's consequences raise the local
+    error of the layers after it at the prefill (its peers there), much less at a decode step.
+    Of records whose error is an estimate (stats store: rel_l2 from statistics and sampled
+    values), the lower median is taken (`_median`).
 
     A site without peers (the logits, the embeddings, the final norm: no layer, or too few
-    peers) is set against what feeds it: noise-like when the median over its records of
-    error / what explains it (never below one rounding of the dtype) is at most
-    `amplification`. One logits row amplifies its input's relative error several-fold by
-    chance (measured: up to x4.5 between two correct bf16 devices on SmolLM2);
+    peers) is set against what feeds it: noise-like when the median over its prefill records,
+    and over its decode records, of error / what explains it (never below one rounding of the
+    dtype) is at most `amplification`. One logits row amplifies its input's relative error
+    several-fold by chance (measured: up to x4.5 between two correct bf16 devices on SmolLM2);
     a faulty lm_head does it in every row. A NaN / Inf that one side has and the other not, or
     a shape that differs, is never noise."""
 
@@ -286,7 +285,7 @@ class _Gate:
         kind = peer_kind(r.key)
         # a local error under the noise floor's smallest judged one is no error to stand out
         floor = NOISE_FLOOR_MIN_FRACTION * r.tolerance.rel_l2
-        ratios: list[float] = []
+        ratios: dict[bool, list[float]] = {}
         first = None
         for (req, step), items in self._by_step(kind).items():
             own = [e for site, ly, e in items if site == r.key.site]
@@ -295,37 +294,37 @@ class _Gate:
             if not own or len(peers) < self.min_peers:
                 continue
             med = statistics.median(peers)
-            ratios.append(own[0] / max(med, floor))
+            ratios.setdefault(_phase(step), []).append(own[0] / max(med, floor))
             if (req, step) == (r.key.req, r.key.step):
                 first = (med, len(peers))
         if first is None:
             return False
-        ratio = _median(ratios, r)
+        ratio = _over_phases([_median(x, r) for x in ratios.values()], r)
         if ratio > self.factor:
             return None
         return NoiseLike(r.key, r.error, self.locs[str(r.key)].introduced, first[0], first[1],
-                         kind, r.tolerance.rel_l2, ratio, len(ratios))
+                         kind, r.tolerance.rel_l2, ratio, sum(map(len, ratios.values())))
 
     def _own_site(self, r: RecordDiff) -> NoiseLike | None:
         if self._sites is None:
             self._sites = {}
             for x in self.diff.records:
                 self._sites.setdefault(x.key.site, []).append(x)
-        gains: list[float] = []
+        gains: dict[bool, list[float]] = {}
         for x in self._sites[r.key.site]:
             loc = self.locs[str(x.key)]
             if x.basis == "shape" or loc.input_basis == "none" or not math.isfinite(loc.gain):
                 continue
-            gains.append(loc.gain)
+            gains.setdefault(_phase(x.key.step), []).append(loc.gain)
         if not gains:
             return None
-        ratio = _median(gains, r)
+        ratio = _over_phases([_median(x, r) for x in gains.values()], r)
         if ratio > self.amp:
             return None
         loc = self.locs[str(r.key)]
         return NoiseLike(r.key, r.error, loc.introduced, max(loc.explained, loc.rounding), 0,
                          peer_kind(r.key),
-                         r.tolerance.rel_l2, ratio, len(gains), self.amp)
+                         r.tolerance.rel_l2, ratio, sum(map(len, gains.values())), self.amp)
 
 
 def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
@@ -396,12 +395,22 @@ def noise_floor(diff: DiffResult, locs: dict[str, RecordLocation],
 
 def _median(values: list[float], r: RecordDiff) -> float:
     """The median of a site's ratios; the lower median when `r`'s error is an estimate (stats
-    store: a sample of its values): a sampled estimate of a heavy-tailed tensor (SmolLM2's
-    down_proj input: a few massive channels) overstates a record several-fold by chance
-    (measured: x5.6 its input in one request, x0.8 in the other; x4-x7 at single-token decode
-    steps); a kernel fault raises them all."""
+    store: a sample of its values): of a site's two prefill records, one whose error the
+    sample overstates must not make the site stand out (measured: a dither candidate's
+    down_proj input at x5.6 its input by sample, at x0.8 in the other request); a kernel fault
+    raises both."""
     return statistics.median_low(values) if r.basis in ("stats", "sample") else \
         statistics.median(values)
+
+
+def _over_phases(medians: list[float], r: RecordDiff) -> float:
+    """A site's ratio over its prefill and its decode medians: the larger (a fault may show
+    at one phase only, behind raised peers at the other); of estimated records (stats store)
+    the smaller: a sampled estimate of a heavy-tailed tensor (SmolLM2's down_proj input, a
+    few massive channels) overstates a single-token decode record several-fold by chance
+    (measured: x4-x7 at decode, x1 at the prefill of the same site, between two correct bf16
+    devices); a kernel fault shows at both."""
+    return min(medians) if r.basis in ("stats", "sample") else max(medians)
 
 
 def _phase(step: int) -> bool:
