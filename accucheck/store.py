@@ -151,6 +151,14 @@ class RequestTokens:
     prompt: str | None
 
 
+def sample_positions(numel: int, size: int = SAMPLE_SIZE) -> np.ndarray:
+    """The flat positions of a record's /index/sample values (see the format above): every
+    element when the tensor has fewer than `size` (the rest is NaN padding)."""
+    if numel < size:
+        return np.arange(size)
+    return np.arange(size) * (numel - 1) // (size - 1)
+
+
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """Exact float32 values of bfloat16 numbers stored as their uint16 bit patterns."""
     return (bits.astype(np.uint32) << 16).view(np.float32)

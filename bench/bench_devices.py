@@ -118,7 +118,7 @@ def alarm(j: dict) -> bool:
         or bool(j.get("flagged"))
 
 
-VARIANTS = ("", "Answer briefly. ", "Note: ", "Continue: ")  # more distinct prompts than POOL
+VARIANTS = ("", "Answer briefly. ", "Note: ", "Continue: ", "Question: ")  # 240 distinct prompts
 
 
 def pair_prompts(k: int, per_pair: int) -> list[str]:
@@ -130,10 +130,10 @@ def pair_prompts(k: int, per_pair: int) -> list[str]:
     return out
 
 
-def clean_rows(runs: Runs, pairs: int, devices: list[str], stores: list[str],
+def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
                per_pair: int = 2) -> list[dict]:
     rows = []
-    for k in range(pairs):
+    for k in pairs:
         prompts = pair_prompts(k, per_pair)
         for store in stores:
             tag = f"p{k}x{per_pair}"
@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get(
         "ACCUCHECK_BENCH_CACHE", Path.home() / ".cache" / "accucheck-bench")) / "devices")
     ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--first-pair", type=int, default=0,
+                    help="start at this pair (several processes share one --work)")
     ap.add_argument("--prompts-per-pair", type=int, default=2)
     ap.add_argument("--devices", default="gpu,npu,mixed,dither")
     ap.add_argument("--stores", default="stats,full")
@@ -222,7 +224,8 @@ def main(argv=None) -> int:
     runs = Runs(args.work)
     t0 = time.perf_counter()
     devices = args.devices.split(",")
-    clean = clean_rows(runs, args.pairs, devices, args.stores.split(","), args.prompts_per_pair)
+    pairs = range(args.first_pair, args.first_pair + args.pairs)
+    clean = clean_rows(runs, pairs, devices, args.stores.split(","), args.prompts_per_pair)
     faulty = fault_rows(runs, [d for d in devices if d in ("gpu", "npu")]) if args.faults \
         else []
     print(table(clean, faulty))

@@ -13,7 +13,7 @@ import diffcases
 from accucheck.compare.diff import diff_captures, stats_delta
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
-from accucheck.store import CaptureWriter, open_capture
+from accucheck.store import CaptureWriter, open_capture, sample_positions
 
 
 def _stats(x: np.ndarray) -> np.ndarray:
@@ -25,14 +25,17 @@ def _stats(x: np.ndarray) -> np.ndarray:
 
 
 def write(path, tensors: dict, *, store="full", prompts=((1, 2, 3),), gen=((4, 5),),
-          dtype="float32", meta=None):
-    """tensors: key -> array (float32) in execution order; kind from the key."""
+          dtype="float32", meta=None, sample=False):
+    """tensors: key -> array (float32) in execution order; kind from the key. `sample`: the
+    index holds each record's sample (/index/sample), as a capture in the stats store does."""
     with CaptureWriter(path, meta=dict(meta or {}, dtype=dtype), store=store) as w:
         for k, x in tensors.items():
             key = RecordKey.parse(k)
             x = np.asarray(x, np.float32)
             kind = "logits" if key.is_logits else ("op" if key.is_op else "module")
-            w.add(key, kind, "float32", x.shape, _stats(x),
+            row = _stats(x) if not sample else np.concatenate(
+                [_stats(x), x.reshape(-1)[sample_positions(x.size)].astype(np.float64)])
+            w.add(key, kind, "float32", x.shape, row,
                   int(x.view(np.uint32).astype(np.int64).sum() % 2 ** 52), x)
         for i, (p, g) in enumerate(zip(prompts, gen)):
             w.set_request(i, p, g)
@@ -711,3 +714,27 @@ def test_rows_with_nothing_finite_to_bound_are_not_identical():
     sd = stats_delta(_row(a, checksum=1), _row(b, checksum=2))
     assert (sd.identical, sd.rel_l2_lower_bound, sd.bound_from, sd.nan_inf_mismatch) == \
         (False, 0.0, None, 0)
+
+
+def test_the_control_rule_compares_logits_up_to_a_shift_a_softmax_ignores(tmp_path):
+    """Two correct bf16 devices shift a decode row's logits by 0.04-0.5 (the final norm's
+    error along lm_head's mean row): invisible to the softmax, yet it moved a single-token
+    row's mean elementwise error x1-x4.7 between two runs of one device. The error the
+    control rule reads (`elem_error`) takes each row's mean difference out, in full records
+    and in samples; a change of the logits' shape between rows still counts."""
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((1, 4, 512)) * 3
+    noise = rng.standard_normal(ref.shape) * 0.01
+    shifted = ref + noise + np.array([0.5, -0.3, 0.2, 0.4])[None, :, None]
+    k = "r0.s0:logits#0:out.0"
+    for store in ("full", "stats"):
+        r = write(tmp_path / f"r-{store}.h5", {k: ref}, store=store, sample=True)
+        errs = {}
+        for name, cand in (("noise", ref + noise), ("shift", shifted),
+                           ("shape", ref + noise * 8)):
+            c = write(tmp_path / f"{name}-{store}.h5", {k: cand}, store=store, sample=True)
+            rec = diff_captures(r, c).records[0]
+            assert rec.basis == ("tensor" if store == "full" else "sample")
+            errs[name] = rec.elem_error
+        assert errs["shift"] == pytest.approx(errs["noise"], rel=0.05 if store == "full" else 0.5)
+        assert errs["shape"] > 4 * errs["noise"]

@@ -19,12 +19,12 @@ def _m(err: float) -> TensorMetrics:
                          worst_index=None, worst_ref=None, worst_cand=None)
 
 
-def _chain(errors: dict[tuple[int, int, str], float]) -> Analysis:
-    """Two requests through LAYERS layers of norm -> down_proj (linked), every control error
-    1e-3 (three controls) and the candidate's error 1e-3 x errors.get((req, layer, site), a
-    quiet 0.97 / 1.0 alternation) for (req, layer, "norm" | "down")."""
+def _chain(errors: dict[tuple[int, int, str], float], requests: int = 2) -> Analysis:
+    """`requests` requests through LAYERS layers of norm -> down_proj (linked), every control
+    error 1e-3 (three controls) and the candidate's error 1e-3 x errors.get((req, layer,
+    site), a quiet 0.97 / 1.0 alternation) for (req, layer, "norm" | "down")."""
     recs = []
-    for req in (0, 1):
+    for req in range(requests):
         prev = None
         for layer in range(LAYERS):
             for site in ("norm", "down"):
@@ -69,6 +69,21 @@ def test_the_first_site_in_the_forward_pass_is_the_divergence_not_the_first_name
 def test_a_quiet_chain_is_within_the_noise():
     a = _chain({})
     assert not a.location.noise.flagged and a.exit_code == 0 and a.culprit is None
+
+
+def test_a_site_is_not_more_than_noise_on_one_record():
+    """Three requests; layer 4's down_proj stands x3.4 over what feeds it in one of them and
+    is quiet in the others: what one record of a heavy-tailed tensor does between two correct
+    runs by chance (SmolLM2's layer-2 down_proj, one decode token). The geometric mean over
+    the site's records (x1.5) would name it; the evidence without its largest record is
+    quiet. The same excess in all three requests is a fault, and is named."""
+    spike = _chain({(1, 4, "down"): 3.4}, requests=3)
+    assert not spike.location.noise.flagged and spike.culprit is None
+    site = next(s for s in spike.location.noise.sites
+                if s.site == "model.layers.4.mlp.down_proj#0:out.0")
+    assert site.records == 3 and site.excess < 1.1
+    fault = _chain({(r, 4, "down"): 1.6 for r in range(3)}, requests=3)
+    assert fault.culprit is not None and fault.culprit.module == "model.layers.4.mlp.down_proj"
 
 
 def _fault_at_6(norm: float, down_over_norm: float) -> Analysis:

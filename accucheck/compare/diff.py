@@ -56,7 +56,8 @@ from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import JUDGED_ELSEWHERE, apply_routing, routing_notes
-from accucheck.store import SAMPLE_SIZE, CaptureReader, IndexRow, open_capture
+from accucheck.store import (SAMPLE_SIZE, CaptureReader, IndexRow, open_capture,
+                             sample_positions)
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
 from accucheck.compare.observer import observer_notes
@@ -409,15 +410,15 @@ class _Differ:
             if ra.sample is None or ca.sample is None:
                 return RecordDiff(basis="stats", stats=sd, **base), None
             acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
-                                    scale=_rms(ra))
-            acc.add(ra.sample, ca.sample)
+                                    **_rel_scale(ra, ra.shape[-1] if ra.shape else None))
+            acc.add(ra.sample, ca.sample, sample_positions(ra.stats.numel, len(ra.sample)))
             return RecordDiff(basis="sample", metrics=acc.result(), stats=sd, **base), None
+        is_logits = ra.kind == "logits" and len(ra.shape) >= 1 and ra.shape[-1] > 0
         acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
-                                scale=_rms(ra))
+                                **_rel_scale(ra, ra.shape[-1] if is_logits else None))
         use_golden = grow is not None and grow.has_data and grow.shape == ra.shape
         gsum = np.zeros(3)  # sum (ref-g)^2, sum (cand-g)^2, sum g^2
         positions: list[LogitsPosition] = []
-        is_logits = ra.kind == "logits" and len(ra.shape) >= 1 and ra.shape[-1] > 0
         ra_it = self.R.iter_chunks(ra.key, self.max_elems)
         ca_it = self.C.iter_chunks(ca.key, self.max_elems)
         if is_logits:
@@ -624,6 +625,16 @@ def _rms(row: IndexRow) -> float | None:
     if not is_float_dtype(row.dtype) or n <= 0 or not math.isfinite(st.l2):
         return None
     return st.l2 / math.sqrt(n)
+
+
+def _rel_scale(row: IndexRow, logits_row: int | None) -> dict:
+    """MetricAccumulator's `scale` (and `row`) for a record's mean_rel: the reference's RMS;
+    for logits (rows of `logits_row` elements, compared up to a shift) its standard deviation."""
+    if row.kind != "logits" or not logits_row:
+        return {"scale": _rms(row)}
+    std = row.stats.std
+    return {"scale": std if is_float_dtype(row.dtype) and math.isfinite(std) else None,
+            "row": logits_row}
 
 
 def _links(row: IndexRow) -> tuple[tuple[str, str], ...]:

@@ -18,7 +18,12 @@ Conventions (a = reference, b = candidate, both any shape, compared flat):
   REL_FLOOR x `scale` (the reference's RMS): every element counts once, so neither a few huge
   elements (the massive activations that dominate `rel_l2` of a residual stream) nor
   near-zero ones dominate it. What the control rule (accucheck.verdict.noise) compares: its
-  ratio between two runs of the same precision is far steadier than rel_l2's.
+  ratio between two runs of the same precision is far steadier than rel_l2's. For logits
+  (`MetricAccumulator(row=vocab)`) it is taken up to a constant per row: each row's mean
+  difference is removed and |a| is centred, since a softmax ignores a shift of every logit.
+  Two correct bf16 devices shift a decode row's logits by 0.04-0.5 (the final norm's error
+  along lm_head's mean row); that shift alone moved a single-token row's mean_rel x1-x4.7
+  between two runs of one device (bench/bench_devices.py, docs/control.md).
 
 `MetricAccumulator` is the only plumbing: feed it aligned flat chunks, it keeps a few float64
 sums and maxima, so memory is bounded by the chunk size whatever the tensor size.
@@ -239,15 +244,19 @@ class MetricAccumulator:
     Memory is a few temporaries of one chunk. `ref_dtype` / `cand_dtype` are the torch dtype
     names as captured: they choose the ULP dtype. `rtol` / `atol` (both or neither) add a count
     of elements outside atol + rtol * |ref|. `scale` (the reference's RMS, known before the
-    first chunk: from its index statistics) adds `mean_rel`.
+    first chunk: from its index statistics) adds `mean_rel`; with `row` (logits: rows of `row`
+    elements, `scale` then the reference's standard deviation) `mean_rel` is taken up to a
+    constant per row (see the module docstring).
     """
 
     def __init__(self, ref_dtype: str, cand_dtype: str, *, rtol: float | None = None,
-                 atol: float | None = None, scale: float | None = None):
+                 atol: float | None = None, scale: float | None = None,
+                 row: int | None = None):
         if (rtol is None) != (atol is None):
             raise ValueError("rtol and atol go together")
         self.rtol, self.atol = rtol, atol
         self.floor = None if scale is None or not math.isfinite(scale) else REL_FLOOR * scale
+        self.row = row if row and row > 0 else None
         self._sum_rel = 0.0
         u = coarser_dtype(ref_dtype, cand_dtype)
         self.ulp_dtype = u if u in _ULP_DTYPES and is_float_dtype(ref_dtype) \
@@ -264,13 +273,19 @@ class MetricAccumulator:
         self._naninf = 0
         self._mismatched = 0
 
-    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+    def add(self, a: np.ndarray, b: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """`positions`: the chunk's elements' flat positions in the tensor (a sample's), for
+        logits' rows; by default the chunk follows the previous one."""
         a = np.asarray(a).reshape(-1)
         b = np.asarray(b).reshape(-1)
         if a.shape != b.shape:
             raise ValueError(f"chunk sizes differ: {a.size} vs {b.size}")
         offset = self._n
         self._n += a.size
+        if self.row is not None and self.floor is not None:
+            at = np.arange(offset, offset + a.size) if positions is None \
+                else np.asarray(positions).reshape(-1)
+            self._sum_rel += _shift_free_rel(a, b, at // self.row, self.floor)
         # Work in cache-sized blocks: temporaries stay small (no page faults, L2-resident).
         for i in range(0, a.size, _BLOCK):
             self._add_block(a[i:i + _BLOCK], b[i:i + _BLOCK], offset + i)
@@ -309,7 +324,7 @@ class MetricAccumulator:
             self._lt5 += a64.size
             return
         absa = np.abs(a64, out=a64)
-        if self.floor is not None:
+        if self.floor is not None and self.row is None:
             self._sum_rel += float((d / (absa + self.floor)).sum()) if self.floor > 0 \
                 else math.inf
         if self.rtol is not None:
@@ -349,6 +364,27 @@ class MetricAccumulator:
             mismatched=self._mismatched if self.rtol is not None else None,
             mean_rel=None if self.floor is None else (self._sum_rel / nf if nf else 0.0),
         )
+
+
+def _shift_free_rel(a: np.ndarray, b: np.ndarray, rows: np.ndarray, floor: float) -> float:
+    """Sum over the finite pairs of |d - mean d| / (|a - mean a| + floor), the means taken per
+    row (`rows`: each element's row number; d = b - a): `MetricAccumulator`'s mean_rel of
+    logits."""
+    a64 = a.astype(np.float64)
+    d = b.astype(np.float64) - a64
+    fin = np.isfinite(a64) & np.isfinite(d)
+    if not fin.all():
+        a64, d, rows = a64[fin], d[fin], rows[fin]
+    if not a64.size:
+        return 0.0
+    rows = rows - rows.min()
+    n = np.bincount(rows)
+    with np.errstate(invalid="ignore", divide="ignore"):  # rows absent from a sample: 0 / 0
+        d -= (np.bincount(rows, d) / n)[rows]
+        a64 -= (np.bincount(rows, a64) / n)[rows]
+    if floor <= 0:
+        return 0.0 if not np.any(d) else math.inf
+    return float((np.abs(d) / (np.abs(a64) + floor)).sum())
 
 
 def tensor_metrics(a, b, ref_dtype: str = "float32", cand_dtype: str = "float32", *,

@@ -230,7 +230,7 @@ def culprit_lines(c: Culprit) -> list[str]:
                  f"{g(c.amplification)}; tolerance {g(c.tolerance)}")
     if c.excess is not None:
         lines.append(f"  control: x{g(c.excess)} the control's error over what feeds it "
-                     f"(geometric mean over the site's records; more than noise above "
+                     f"(geometric mean over the site's records but its largest; more than noise above "
                      f"x{g(c.threshold)})")
     if c.origin_of is not None:
         lines.append(f"  the origin of {c.origin_of}, more than noise downstream in its layer: "

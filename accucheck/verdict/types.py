@@ -162,7 +162,7 @@ class NoiseSite:
     site: str
     kind: str             # verdict.locate.peer_kind of its records
     key: RecordKey        # the record named (see the module docstring)
-    excess: float         # geometric mean of its records' excess
+    excess: float         # geometric mean of its records' excess, the largest left out
     records: int
     location: float       # its kind's log excess: median (capped at 0), and spread
     spread: float
