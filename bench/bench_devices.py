@@ -3,7 +3,8 @@ candidates emulated as structurally different correct devices (accucheck.capture
 npu, mixed, dither), each store mode, with and without a control. Not a test: it writes the
 table of docs/control.md ("Correct devices").
 
-    python bench/bench_devices.py [--pairs 12] [--devices gpu,npu,mixed,dither] [--faults]
+    python bench/bench_devices.py [--pairs 12] [--first-pair 0] [--devices gpu,npu,mixed,dither]
+        [--stores stats,full] [--faults | --only-faults] [--json rows.json]
 
 Clean pairs: pair k (--prompts-per-pair prompts, default 2, of a pool of 48 with prefixed
 variants once it is used up; 2 decode steps) captured as
@@ -15,9 +16,11 @@ variants once it is used up; 2 decode steps) captured as
 A clean pair is a false alarm when the verdict exits 1, names a culprit or a SUSPICIOUS record
 (no control), or flags a site (with the control).
 
-Faults (--faults): graded faults (tests/planting.py) at layer 14 planted inside the gpu and the
-npu candidate, sized to x2 and x4 their record's natural noise (measured against 3 dither
-controls), full store; "named" is the exact planted module.
+Faults (--faults, or --only-faults): graded faults (tests/planting.py: norm, linear, act and
+core at layers 4, 14 and 24, rotary once) planted inside each device, 4 prompts, sized to x0.5
+(below the noise: the fault alone is half of it), x1.25, x2 and x4 their record's natural
+noise (measured in the full store against 3 dither controls), in each store mode; "named" is
+the exact planted module, "wrong" any other culprit. Several processes: --devices.
 Captures are cached in --work (default ~/.cache/accucheck-bench/devices).
 """
 from __future__ import annotations
@@ -58,8 +61,9 @@ POOL = [
     "Rust's borrow checker", "The Amazon rainforest", "Summer is the season when",
 ]
 STEPS = 2
-STRENGTHS = (2.0, 4.0)
+STRENGTHS = (0.5, 1.25, 2.0, 4.0)   # x the record's natural noise (0.5: below it)
 FAULT_KINDS = ("linear", "act", "core", "norm")
+FAULT_LAYERS = (4, 14, 24)
 
 
 class Runs:
@@ -87,7 +91,7 @@ class Runs:
         if path.exists():
             return path
         t = time.perf_counter()
-        tmp = path.with_suffix(".tmp.h5")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.h5")  # processes may share --work
         with (emulated(self.model, device, seed) if device else nullcontext()), \
                 (plant(self.model, *planted) if planted else nullcontext()):
             capture_model(self.model, prompts, tmp, tokenizer=self.tok, store=store,
@@ -153,30 +157,37 @@ def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
     return rows
 
 
-def fault_rows(runs: Runs, devices: list[str]) -> list[dict]:
+def fault_rows(runs: Runs, devices: list[str], stores: list[str],
+               layers: tuple[int, ...] = FAULT_LAYERS) -> list[dict]:
+    """Graded faults (tests/planting.py) of every kind at `layers` (rotary: once), planted
+    inside each emulated device, in each store mode, judged without and with one control."""
     prompts = POOL[:4]
-    ref = runs.capture("f-ref32", prompts, "full", dtype="float32")
-    ctls = [runs.capture(f"f-ctl{i}", prompts, "full", device="dither", seed=500 + i, ref=ref)
-            for i in range(3)]
+    ref = {st: runs.capture("f-ref32", prompts, st, dtype="float32") for st in stores}
+    full = runs.capture("f-ref32", prompts, "full", dtype="float32")
+    ctls = {st: [runs.capture(f"f-ctl{i}", prompts, st, device="dither", seed=500 + i,
+                              ref=full) for i in range(3)] for st in set(stores) | {"full"}}
     rows = []
-    for kind in FAULT_KINDS:
-        _, site, expect = fault(kind, 14, 0.0)
-        noise = natural_noise(ref, ctls, site)
+    for kind, layer in [(k, ly) for k in FAULT_KINDS for ly in layers] + [("rotary", 0)]:
+        _, site, expect = fault(kind, layer, 0.0)
+        noise = natural_noise(full, ctls["full"], site)
         for s in STRENGTHS:
             def calibration(name, planted, include):
                 return runs.capture(name, prompts, "full", dtype="float32", planted=planted,
                                     include=include)
-            d = size_fault(calibration, ref, kind, 14, s, noise)
+            d = size_fault(calibration, full, kind, layer, s, noise)
             if not math.isfinite(d):
                 continue
             for dev in devices:
-                cand = runs.capture(f"f-{dev}-{kind}-{s}", prompts, "full", device=dev, seed=9,
-                                    ref=ref, planted=fault(kind, 14, d)[0])
-                row = {"device": dev, "kind": kind, "s": s, "expect": expect,
-                       "none": judge(ref, cand, None), "control": judge(ref, cand, ctls[0])}
-                rows.append(row)
-                print(f"fault {dev} {kind} x{s}: none -> {row['none']['culprit']}, control -> "
-                      f"{row['control']['culprit']}", flush=True)
+                for st in stores:
+                    cand = runs.capture(f"f-{dev}-{kind}{layer}-{s}", prompts, st, device=dev,
+                                        seed=9, ref=full, planted=fault(kind, layer, d)[0])
+                    row = {"device": dev, "store": st, "kind": kind, "layer": layer, "s": s,
+                           "expect": expect, "none": judge(ref[st], cand, None),
+                           "control": judge(ref[st], cand, ctls[st][0])}
+                    rows.append(row)
+                    print(f"fault {dev} {st} {kind}{layer} x{s}: none -> "
+                          f"{row['none']['culprit']}, control -> {row['control']['culprit']}",
+                          flush=True)
     return rows
 
 
@@ -192,19 +203,22 @@ def table(clean: list[dict], faulty: list[dict]) -> str:
         out.append(f"| {dev} | {store} | {len(rows)} | " + " | ".join(cells)
                    + f" | {margin:.2f} |")
     if faulty:
-        out += ["", "| device | strength | no control: named / wrong | 1 control: named / wrong |",
-                "|---|---|---|---|"]
+        out += ["", "| device | store | strength | faults | no control: named / wrong | "
+                "1 control: named / wrong |", "|---|---|---|---|---|---|"]
         for dev in sorted({r["device"] for r in faulty}):
-            for s in STRENGTHS:
-                rows = [r for r in faulty if r["device"] == dev and r["s"] == s]
-                if not rows:
-                    continue
-                cells = []
-                for m in ("none", "control"):
-                    named = sum(r[m]["culprit"] == r["expect"] for r in rows)
-                    wrong = sum(r[m]["culprit"] not in (None, r["expect"]) for r in rows)
-                    cells.append(f"{named} / {len(rows)} named, {wrong} wrong")
-                out.append(f"| {dev} | x{s:g} | " + " | ".join(cells) + " |")
+            for store in sorted({r["store"] for r in faulty}):
+                for s in STRENGTHS:
+                    rows = [r for r in faulty
+                            if (r["device"], r["store"], r["s"]) == (dev, store, s)]
+                    if not rows:
+                        continue
+                    cells = []
+                    for m in ("none", "control"):
+                        named = sum(r[m]["culprit"] == r["expect"] for r in rows)
+                        wrong = sum(r[m]["culprit"] not in (None, r["expect"]) for r in rows)
+                        cells.append(f"{named} / {wrong}")
+                    out.append(f"| {dev} | {store} | x{s:g} | {len(rows)} | "
+                               + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -219,15 +233,17 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default="gpu,npu,mixed,dither")
     ap.add_argument("--stores", default="stats,full")
     ap.add_argument("--faults", action="store_true", help="also the graded faults")
+    ap.add_argument("--only-faults", action="store_true", help="the graded faults alone")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     runs = Runs(args.work)
     t0 = time.perf_counter()
     devices = args.devices.split(",")
     pairs = range(args.first_pair, args.first_pair + args.pairs)
-    clean = clean_rows(runs, pairs, devices, args.stores.split(","), args.prompts_per_pair)
-    faulty = fault_rows(runs, [d for d in devices if d in ("gpu", "npu")]) if args.faults \
-        else []
+    stores = args.stores.split(",")
+    clean = [] if args.only_faults else clean_rows(runs, pairs, devices, stores,
+                                                   args.prompts_per_pair)
+    faulty = fault_rows(runs, devices, stores) if args.faults or args.only_faults else []
     print(table(clean, faulty))
     print(f"\n{runs.made} captures made ({runs.seconds:.0f} s), total "
           f"{time.perf_counter() - t0:.0f} s")

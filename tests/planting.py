@@ -58,10 +58,11 @@ def natural_noise(ref: Path, controls: list[Path], site: str) -> float:
 def size_fault(capture: Callable[[str, tuple[str, str], tuple[str, ...]], Path], ref: Path,
                kind: str, layer: int, s: float, noise: float, steps: int = 3) -> float:
     """The strength D whose error alone at its record is noise * sqrt(s^2 - 1), so that the
-    faulty record's error is s x its natural noise: secant steps on fault-only runs (the
-    reference's dtype, no dither, only the module recorded). `capture(name, planted, include)`
-    makes one. NaN when the fault cannot be that strong (norm:part saturates at D = 1)."""
-    target = noise * math.sqrt(s * s - 1)
+    faulty record's error is s x its natural noise (s > 1); below the noise (s <= 1), whose
+    error alone is s x the noise: secant steps on fault-only runs (the reference's dtype, no
+    dither, only the module recorded). `capture(name, planted, include)` makes one. NaN when
+    the fault cannot be that strong (norm:part saturates at D = 1)."""
+    target = noise * (math.sqrt(s * s - 1) if s > 1 else s)
     d = 0.01
     for _ in range(steps):
         planted, site, _ = fault(kind, layer, d)

@@ -15,6 +15,7 @@ from accucheck.compare.tolerances import NEAR_TIE_FACTOR, Tolerance, ToleranceTa
 from accucheck.keys import RecordKey
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
+ESTIMATED = ("sample", "stats")  # the bases whose error is an estimate (the stats store)
 
 
 @dataclass(frozen=True)

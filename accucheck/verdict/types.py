@@ -129,10 +129,17 @@ class NoiseLike:
     # a site without peers (peers == 0) is judged against what feeds it: `ratio` is then the
     # median of error / what explains it, and `gate` the amplification it stays within
     gate: float | None = None
+    # estimates only (stats store): the site stands out in sampled estimates, but `ratio` is
+    # the lower median of its statistics' lower bound over what feeds it, and at most 1
+    bounded: bool = False
 
     @property
     def reason(self) -> str:
         """Why it is not named, in a few words for the reports."""
+        if self.bounded:
+            return (f"a site that stands out in sampled estimates only: its error's lower "
+                    f"bound from statistics is x{self.ratio:.2g} what feeds it, median over "
+                    f"its {self.records} request(s) and step(s) (a culprit's is more)")
         if self.peers == 0:
             return (f"a site without peers that amplifies what feeds it x{self.ratio:.2g}, "
                     f"median over its {self.records} request(s) and step(s) (a culprit does "
