@@ -507,10 +507,19 @@ def _parallel(mod: torch.nn.Module) -> str:
     return "replicated"
 
 
+def kv_replicas(mod: torch.nn.Module) -> int:
+    """How many tensor-parallel ranks hold each k / v head of a fused QKV layer: vLLM's
+    QKVParallelLinear (and vllm-ascend's subclass) sets `num_kv_head_replicas` = tp //
+    num_kv_heads when the TP size exceeds the KV heads (rank r loads head r // replicas), else
+    1. A merge that added every rank's k / v rows would count each head `replicas` times."""
+    return max(int(getattr(mod, "num_kv_head_replicas", 1) or 1), 1)
+
+
 def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, dict]]:
     """`mod`'s own parameters under transformers' names, with what the table says of each: a
     fused weight (qkv_proj, gate_up_proj) cut into its q / k / v (gate / up) rows with their
-    "source" ("qkv_proj rows 576-767"), and how the ranks split it ("parallel")."""
+    "source" ("qkv_proj rows 576-767"), how the ranks split it ("parallel") and, for k / v
+    rows that several ranks hold (`kv_replicas` > 1), "replicas"."""
     out = []
     leaf = path.rsplit(".", 1)[-1]
     for pname, t in mod.named_parameters(recurse=False):
@@ -521,9 +530,11 @@ def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tens
             continue
         start = 0
         for name, rows in parts:
+            extra = {"parallel": "column", "source": f"{leaf} rows {start}-{start + rows - 1}"}
+            if name in ("k_proj", "v_proj") and kv_replicas(mod) > 1:
+                extra["replicas"] = kv_replicas(mod)
             out.append((f"{path[: len(path) - len(leaf)]}{name}.{pname}", t[start:start + rows],
-                        {"parallel": "column",
-                         "source": f"{leaf} rows {start}-{start + rows - 1}"}))
+                        extra))
             start += rows
     return out
 
