@@ -70,3 +70,70 @@ def test_tp4_with_2_kv_heads_weights_match_the_unsharded_model():
     assert weight_differences({"weights": whole}, {"weights": joined}) == []
     assert joined[f"{prefix}.k_proj.weight"]["shape"] == [KV_HEADS * HEAD, HIDDEN]
     assert tables[1][f"{prefix}.k_proj.weight"]["replicas"] == 2
+
+
+# -- a model runner class that does not import ---------------------------------------------------
+@pytest.fixture
+def broken_runner(tmp_path, monkeypatch):
+    """A runner module that imports a dependency that is not installed (as vllm-ascend's
+    NPUModelRunner does when a package it needs is missing), standing in for the CPU runner of
+    this machine; and a package that is not installed at all (another platform's runner)."""
+    pkg = tmp_path / "fake_platform" / "worker"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model_runner_v1.py").write_text("import accucheck_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugin, "_RUNNER_CLASSES", (
+        ("fake_platform.worker.model_runner_v1", "CPUModelRunner"),
+        ("not_installed_platform_xyz.worker", "NPUModelRunner")))
+    monkeypatch.setattr(plugin, "import_errors", {}, raising=False)
+    return "fake_platform.worker.model_runner_v1.CPUModelRunner"
+
+
+def test_a_runner_that_does_not_import_is_named_not_swallowed(broken_runner):
+    """The real import error is kept for the device whose runner it is; an absent package (no
+    vllm_ascend on a GPU) is another platform and says nothing (issue 34)."""
+    plugin.install()
+    why = plugin.runner_import_error("cpu")
+    assert why == (f"{broken_runner} does not import: ModuleNotFoundError: No module named "
+                   f"'accucheck_missing_dependency_xyz'")
+    assert plugin.runner_import_error("npu") is None
+    assert plugin.runner_import_error("cuda") is None
+
+
+def test_the_capture_says_which_runner_import_failed(broken_runner, tiny_dir, tmp_path,
+                                                     monkeypatch, capsys):
+    """Through the CLI: exit 3, one line naming the module and the missing name, no traceback,
+    no "install accucheck", before any engine starts (vllm.LLM would raise)."""
+    import vllm
+
+    from accucheck.cli import main
+
+    def no_engine(*_a, **_k):
+        raise AssertionError("an engine was started")
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    with pytest.raises(SystemExit) as e:
+        main(["capture", str(tiny_dir), "--runner", "vllm", "--prompt", "hello", "-o",
+              str(tmp_path / "x.h5")])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("accucheck: error:")]
+    assert e.value.code == 3 and "Traceback" not in err and len(lines) == 1, err
+    assert broken_runner in lines[0] and "accucheck_missing_dependency_xyz" in lines[0]
+    assert "install accucheck" not in lines[0]
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_a_worker_whose_runner_did_not_import_is_named():
+    """A worker process (TP rank, multiprocess engine core) where nothing attached reports its
+    runner's import error; the front end names it instead of "install accucheck"."""
+    from accucheck.capture.vllm_runner import _gather
+    from accucheck.errors import UserError
+
+    why = "vllm_ascend.worker.model_runner_v1.NPUModelRunner does not import: ImportError: x"
+    with pytest.raises(UserError, match="NPUModelRunner does not import: ImportError: x"):
+        _gather([{"attached": False, "rank": 0, "import_errors": {"NPUModelRunner": why}}],
+                1, "npu")
+    with pytest.raises(UserError, match="install accucheck"):
+        _gather([{"attached": False, "rank": 0, "import_errors": {"NPUModelRunner": why}}],
+                1, "cuda")

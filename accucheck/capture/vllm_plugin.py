@@ -54,7 +54,10 @@ _RUNNER_CLASSES = (
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
     ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
 )
+RUNNER_OF_DEVICE = {"cuda": "GPUModelRunner", "cpu": "CPUModelRunner", "npu": "NPUModelRunner"}
 _patched: set[type] = set()
+# runner class name -> why it did not import (one line), unless its package is simply absent
+import_errors: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -146,15 +149,40 @@ def install() -> None:
         pass
 
     for mod_name, cls_name in _RUNNER_CLASSES:
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
-        except Exception:  # not this platform (no vllm_ascend, no CPU runner on a GPU build)
+        cls = _import_runner(mod_name, cls_name)
+        if cls is None:
             continue
         if cls in _patched or "load_model" not in vars(cls):
             _patched.add(cls)
             continue
         _patched.add(cls)
         cls.load_model = _wrap_load_model(vars(cls)["load_model"])
+
+
+def _import_runner(mod_name: str, cls_name: str) -> type | None:
+    """The runner class, or None. A package that is not installed (no vllm_ascend on a GPU) is
+    not this platform and says nothing; any other failure (a module the installed package
+    lacks, a name it does not define, vllm-ascend's NPUModelRunner importing a dependency that
+    is missing or of the wrong version) is kept in `import_errors`, so the capture names it
+    instead of blaming the accucheck install."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(mod_name), cls_name)
+    except Exception as e:
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing == mod_name.split(".")[0]:
+            return None  # the runner's package is not installed: another platform
+        first = (str(e).strip().splitlines() or [""])[0]
+        import_errors[cls_name] = (f"{mod_name}.{cls_name} does not import: "
+                                   f"{type(e).__name__}: {first}")
+        return None
+
+
+def runner_import_error(device_kind: str) -> str | None:
+    """Why the model runner of `device_kind` ("cuda", "cpu", "npu") did not import, if it did
+    not (after `install`); None when it imported or its package is absent."""
+    return import_errors.get(RUNNER_OF_DEVICE.get(device_kind, ""))
 
 
 def _wrap_load_model(orig):
@@ -185,7 +213,8 @@ def collect(worker) -> dict:
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
     if col is None:
-        return {"attached": False, "rank": _tp_rank_size()[0]}
+        return {"attached": False, "rank": _tp_rank_size()[0],
+                "import_errors": dict(import_errors)}
     return col.drain()
 
 

@@ -130,6 +130,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         seeded = dev.seed_everything(opts.seed, spec)
         determinism = dev.set_deterministic(spec) if opts.deterministic else {}
         plugin.install()  # the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) patches here
+        if (why := plugin.runner_import_error(spec.kind)) is not None:
+            raise runner_import_refusal(why)  # not "install accucheck": the real cause
         environment = dev.fingerprint(spec)
         from vllm import LLM, SamplingParams
 
@@ -160,7 +162,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         llm = _engine(LLM, kwargs)
         timing = {"engine_start_s": time.monotonic() - t0}
         try:
-            infos = _gather(llm.collective_rpc(COLLECT), tp)
+            infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
@@ -175,7 +177,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
                                                params_for(forced), use_tqdm=False)
                         t1 = time.monotonic()
-                        got = _gather(llm.collective_rpc(COLLECT), tp)
+                        got = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
                         timing.update(generate_s=t1 - t0, collect_s=time.monotonic() - t1)
                     except Exception as e:
                         if not _engine_died(e):
@@ -350,15 +352,31 @@ def cpu_binding(tp: int) -> str:
     return "|".join(parts)
 
 
-def _gather(results: list, tp: int) -> dict[int, dict]:
+def runner_import_refusal(why: str) -> UserError:
+    """The one line for a model runner class that does not import (vllm_plugin.import_errors):
+    the real error, not "install accucheck"."""
+    return UserError(f"{why}; the accucheck vLLM plugin hooks that model runner, so nothing can "
+                     f"be captured: install what is missing (the vLLM / vllm-ascend / torch "
+                     f"versions their release notes pair), then capture again")
+
+
+def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
     """Every worker's answer to `accucheck_collect`, by rank; a rank whose plugin did not
-    attach counts as a rank that recorded nothing (the coverage check names it)."""
+    attach counts as a rank that recorded nothing (the coverage check names it). No rank
+    attached: the `kind` device's runner class that did not import in a worker is named,
+    else the plugin is said to be missing."""
+    from accucheck.capture.vllm_plugin import RUNNER_OF_DEVICE
+
     by_rank: dict[int, dict] = {}
+    why = None
     for i, res in enumerate(results):
         rank = int(res.get("rank", i))
+        why = why or (res.get("import_errors") or {}).get(RUNNER_OF_DEVICE.get(kind, ""))
         by_rank[rank] = res if res.get("attached") else {
             "attached": False, "rank": rank, "records": [], "errors": [], "schedule": []}
     if not any(r.get("attached") for r in by_rank.values()):
+        if why:
+            raise runner_import_refusal(why)
         raise UserError("the accucheck vLLM plugin did not attach to the model runner: install "
                         "accucheck in the same environment as vLLM (pip install -e . registers "
                         "the `vllm.general_plugins` entry point that worker processes load)")
