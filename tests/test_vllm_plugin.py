@@ -137,3 +137,52 @@ def test_a_worker_whose_runner_did_not_import_is_named():
     with pytest.raises(UserError, match="install accucheck"):
         _gather([{"attached": False, "rank": 0, "import_errors": {"NPUModelRunner": why}}],
                 1, "cuda")
+
+
+# -- vllm-ascend's Ascend* subclasses of vLLM's layers ------------------------------------------
+class AscendColumnParallelLinear(ColumnParallelLinear):
+    """vllm-ascend's replacement (vllm_ascend/ops/linear.py), registered in place of vLLM's."""
+
+
+class AscendQKVParallelLinear(QKVParallelLinear):
+    pass
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+class AscendSiluAndMul(SiluAndMul):
+    pass
+
+
+class AscendSiluAndMul310(AscendSiluAndMul):
+    """vllm-ascend's 310P activation: its name does not even end like vLLM's."""
+
+
+def test_ascend_subclasses_are_the_vllm_layers_they_replace():
+    """The default selection and the shard layout decide by the class's bases: a plain
+    column-parallel layer is left out whether it is vLLM's or vllm-ascend's, the fused QKV kept,
+    and the 310P SiluAndMul is a sharded activation like vLLM's (issue 34). By the exact name,
+    AscendColumnParallelLinear was recorded on the NPU only and AscendSiluAndMul310's shards
+    were taken for replicated copies (RANKS DISAGREE under TP)."""
+    from accucheck.capture.ranks import shard_layout
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n * HEAD, HIDDEN, generator=g) for n in (HEADS, KV_HEADS, KV_HEADS))
+    models = {}
+    for name, col, qkv in (("gpu", ColumnParallelLinear, QKVParallelLinear),
+                           ("npu", AscendColumnParallelLinear, AscendQKVParallelLinear)):
+        model = _model(qkv(q, k, v, 0, 1))
+        model.model.layers[0].self_attn.extra_proj = col(torch.zeros(2, HIDDEN))
+        models[name] = plugin.vllm_default(model, [n for n, _ in model.named_modules() if n])
+    assert models["npu"] == models["gpu"]
+    assert "model.layers.0.self_attn.extra_proj" not in models["npu"]
+    assert "model.layers.0.self_attn.qkv_proj" in models["npu"]
+    assert plugin.vllm_kind(AscendQKVParallelLinear(q, k, v, 0, 1)) == "QKVParallelLinear"
+    act = AscendSiluAndMul310()
+    assert plugin.vllm_kind(act) == "SiluAndMul"
+    assert shard_layout(plugin.vllm_kind(act), "out") == "concat"
+    assert shard_layout(type(act).__name__, "out") is None  # what the exact name said

@@ -247,10 +247,10 @@ class Collector:
         self._active = [False]  # eager hooks record only inside execute_model (not profiling)
         by_name = dict(self.model.named_modules())
         self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
-                        if type(by_name[n]).__name__ != "PPMissingLayer"]
+                        if vllm_kind(by_name[n]) != "PPMissingLayer"]
         if not cfg.include:
             self.modules = vllm_default(self.model, self.modules)
-        self.kinds = {n: type(by_name[n]).__name__ for n in self.modules}
+        self.kinds = {n: vllm_kind(by_name[n]) for n in self.modules}  # for capture.ranks
         # stats store, one rank: a fused layer's output also recorded as transformers' leaves
         # (q / k / v, gate / up), so a stats capture compares leaf by leaf (compare.mapping)
         self._splits = {n: parts for n in self.modules
@@ -485,7 +485,25 @@ class Collector:
 # (qkv_proj, gate_up_proj), the attention core (attn) and the fused activation (act_fn:
 # act(gate) * up) are recorded: the diff shows them as transformers' leaves
 # (accucheck.compare.mapping), their tensor-parallel shards joined.
-_VLLM_DEFAULT_SKIP_EXACT = ("ColumnParallelLinear",)
+_VLLM_DEFAULT_SKIP = ("ColumnParallelLinear",)
+# vLLM layer classes accucheck decides on by name (`vllm_kind`); and any "...AndMul" activation
+VLLM_KINDS = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
+              "RowParallelLinear", "ReplicatedLinear", "VocabParallelEmbedding", "ParallelLMHead",
+              "Attention", "PPMissingLayer")
+
+
+def vllm_kind(mod: torch.nn.Module) -> str:
+    """The vLLM layer class `mod` is: the first class of its MRO named in VLLM_KINDS, else the
+    last one whose name ends "AndMul" (vLLM's SiluAndMul under AscendSiluAndMul310 and
+    AscendSiluAndMul), else its own class name. vllm-ascend registers subclasses in place of
+    vLLM's layers (AscendColumnParallelLinear, AscendQKVParallelLinear, AscendSiluAndMul310,
+    ...: vllm_ascend/utils.py REGISTERED_ASCEND_OPS), so deciding by the exact class name
+    treats the same layer differently on the NPU only (a skip that does not skip, a sharded
+    activation taken for a replicated one)."""
+    names = [c.__name__ for c in type(mod).__mro__]
+    known = [n for n in names if n in VLLM_KINDS]
+    acts = [n for n in names if n.endswith("AndMul")]
+    return known[0] if known else acts[-1] if acts else names[0]
 
 
 def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
@@ -501,8 +519,8 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
     by_name = dict(model.named_modules())
     out = []
     for n in names:
-        kind = type(by_name[n]).__name__
-        if kind in _VLLM_DEFAULT_SKIP_EXACT \
+        kind = vllm_kind(by_name[n])
+        if kind in _VLLM_DEFAULT_SKIP \
                 or len(layers.get(id(by_name[n]), ())) > 1:
             continue
         out.append(n)
@@ -511,7 +529,7 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
 
 def _fused_parts(mod: torch.nn.Module) -> list[tuple[str, int]] | None:
     """This rank's rows of a fused layer's weight, in order: [(transformers leaf, rows)]."""
-    kind = type(mod).__name__
+    kind = vllm_kind(mod)
     if kind.endswith("QKVParallelLinear"):
         q = int(mod.num_heads) * int(mod.head_size)
         kv = int(mod.num_kv_heads) * int(mod.head_size)
