@@ -186,3 +186,43 @@ def test_ascend_subclasses_are_the_vllm_layers_they_replace():
     assert plugin.vllm_kind(act) == "SiluAndMul"
     assert shard_layout(plugin.vllm_kind(act), "out") == "concat"
     assert shard_layout(type(act).__name__, "out") is None  # what the exact name said
+
+
+# -- context parallel --------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["prefill_context_parallel_size", "decode_context_parallel_size"])
+def test_context_parallel_is_refused_before_the_engine_starts(key, tiny_dir, tmp_path,
+                                                              monkeypatch):
+    """Context parallel > 1 as an engine argument: one line naming the setting, exit 3, no
+    engine, no file (issue 34: two prefill-context-parallel workers share a tensor-parallel
+    rank and overwrote each other's records)."""
+    import vllm
+
+    from accucheck.capture.api import CaptureOptions
+    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.errors import UserError
+
+    def no_engine(*_a, **_k):
+        raise AssertionError("an engine was started")
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    with pytest.raises(UserError, match=f"{key}=2 is not supported by the vLLM capture") as e:
+        capture_vllm(tiny_dir, ["hi"], tmp_path / "x.h5", CaptureOptions(), {key: 2})
+    assert e.value.exit_code == 3 and "\n" not in str(e.value)
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_context_parallel_from_the_engine_config_is_refused():
+    """A context-parallel size that reached the engine another way (a fake vllm_config as a
+    worker's runner holds it) is reported by the workers and refused by the front end."""
+    from types import SimpleNamespace
+
+    from accucheck.capture.vllm_runner import refuse_parallel
+    from accucheck.errors import UserError
+
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1,
+        prefill_context_parallel_size=2, decode_context_parallel_size=1)))
+    settings = plugin.parallel_settings(runner)
+    assert settings["prefill_context_parallel_size"] == 2
+    with pytest.raises(UserError, match="prefill_context_parallel_size=2 .*overwrite"):
+        refuse_parallel(settings)
+    refuse_parallel(plugin.parallel_settings(SimpleNamespace()))  # nothing known: nothing refused

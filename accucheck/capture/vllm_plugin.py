@@ -468,6 +468,7 @@ class Collector:
 
     def drain(self) -> dict:
         out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
+               "parallel": parallel_settings(self.runner),
                "modules": self.modules, "records": [r.to_wire() for r in self.records],
                "weights": self.weights,
                "errors": self.errors,
@@ -736,6 +737,18 @@ def _split_leaves(pieces, splits: dict[str, list[tuple[str, int]]]):
         for leaf, n in parts:
             yield f"{prefix}.{leaf}", role, call, slot, t[..., start:start + n].contiguous()
             start += n
+
+
+PARALLEL_SETTINGS = ("pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size", "decode_context_parallel_size")
+
+
+def parallel_settings(runner) -> dict[str, int]:
+    """The engine's parallel sizes as the runner's vllm_config holds them (vLLM's
+    ParallelConfig names; 1 where absent): the front end refuses what it cannot capture even
+    when it reached the engine without an engine argument (vllm_runner.refuse_parallel)."""
+    config = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    return {k: int(getattr(config, k, 1) or 1) for k in PARALLEL_SETTINGS}
 
 
 def _tp_rank_size() -> tuple[int, int]:

@@ -42,7 +42,16 @@ VLLM_DTYPES = ("float32", "float16", "bfloat16")
 # Engine settings a capture cannot work without; engine_kwargs may not change them.
 _FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
                   "enable_prefix_caching": False, "async_scheduling": False}
-_SUPPORTED_PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
+# vLLM parallel settings a capture refuses above 1 (vllm 0.32 ParallelConfig names), and why
+REFUSED_PARALLEL = {
+    "pipeline_parallel_size": "records come from one rank: a stage holds only its layers",
+    "data_parallel_size": "records come from one rank: each replica serves other requests",
+    "prefill_context_parallel_size": "context parallel: two workers share each "
+                                     "tensor-parallel rank and would overwrite each other's "
+                                     "records",
+    "decode_context_parallel_size": "context parallel: the ranks split the decode KV cache, "
+                                    "which the capture's rank merge does not model",
+}
 WORKER_EXTENSION = "accucheck.capture.vllm_plugin.CaptureWorker"
 FORCE_TOKENS = "accucheck.capture.vllm_plugin:ForceTokens"  # vLLM wants <module>:<type>
 TEST_FAULT_ENV = "ACCUCHECK_VLLM_TEST_FAULT"
@@ -65,9 +74,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
     are stored per rank with an annotation (accucheck.capture.ranks, meta "tensor_parallel").
-    Pipeline / data parallel are refused. The capture ends with the coverage verdict
-    (accucheck.coverage): something expected but missing leaves the file incomplete and raises
-    UserError naming the rank / step / request.
+    Pipeline / data / context parallel are refused (REFUSED_PARALLEL). The capture ends with
+    the coverage verdict (accucheck.coverage): something expected but missing leaves the file
+    incomplete and raises UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
     and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
@@ -92,10 +101,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     if opts.compile_backend:
         raise UserError("--compile-backend is for --runner hf; vLLM's graph mode is chosen with "
                         "--engine-arg compilation_config='{\"cudagraph_mode\": \"PIECEWISE\"}'")
-    for key in _SUPPORTED_PARALLEL:
-        if int(engine_kwargs.get(key, 1) or 1) > 1:
-            raise UserError(f"{key}={engine_kwargs[key]} is not supported by the vLLM capture "
-                            f"(records come from one rank): use tensor_parallel_size only")
+    refuse_parallel(engine_kwargs)
     eager = opts.mode == "eager"
     if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
         raise UserError(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts --mode "
@@ -163,6 +169,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         timing = {"engine_start_s": time.monotonic() - t0}
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
+            refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
@@ -210,6 +217,17 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
 
 # -- engine set-up -------------------------------------------------------------------------
+def refuse_parallel(settings: dict) -> None:
+    """UserError naming the first REFUSED_PARALLEL setting above 1 in `settings` (engine
+    arguments before the engine starts; the engine's own ParallelConfig values, reported by
+    the workers, after: a setting that reached it another way)."""
+    for key, why in REFUSED_PARALLEL.items():
+        value = settings.get(key, 1)
+        if int(value or 1) > 1:
+            raise UserError(f"{key}={value} is not supported by the vLLM capture ({why}): use "
+                            f"tensor_parallel_size only")
+
+
 def _vllm_dtype(name: str | None) -> str:
     dtype = str(parse_dtype(name or "float32")).replace("torch.", "")
     if dtype not in VLLM_DTYPES:
