@@ -19,7 +19,8 @@ vLLM captures name their weights as transformers does: a fused weight (qkv_proj,
 is recorded as its q / k / v (gate / up) rows, with its "source" ("qkv_proj rows 576-767"),
 which the note names. Under tensor parallel a KV head that several ranks hold is counted
 once; ranks whose copies of it differ ("replicas_differ") are a difference of their own.
-Weights on one side only are not compared. The diff reports what differs in one note; the verdict is left to the records.
+Weights on one side only are not compared. The diff reports what differs in one note; the
+verdict is left to the records.
 """
 from __future__ import annotations
 
