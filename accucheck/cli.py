@@ -162,6 +162,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
     try:
         if runner == "vllm":
             from accucheck.capture.api import check_output_path
+            from accucheck.capture.device import parse_device, transfer_note
             from accucheck.capture.vllm_runner import capture_vllm
 
             engine = _engine_args(engine_args)
@@ -170,6 +171,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
             check_output_path(out, force, opts.inputs())
             err(f"capturing {model_dir} on {device} ({dtype}, {mode}, store {store}, vLLM) "
                 f"for {len(plist)} prompt(s), {max_new_tokens} decode step(s) -> {out}")
+            if transfer_note(parse_device(device)):
+                err(transfer_note(parse_device(device)))
             path = capture_vllm(model_dir, plist, out, opts, engine)
         else:
             from accucheck.capture.api import capture_dir

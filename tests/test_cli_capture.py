@@ -130,6 +130,53 @@ def test_list_modules(tiny_dir, capsys):
     assert not os.path.exists("unused.h5")
 
 
+def test_collective_and_backend_variables_are_recorded(tiny_dir, tmp_path, capsys, monkeypatch):
+    """NCCL / HCCL / LCCL / ATB variables (collective algorithms, Ascend Transformer Boost
+    kernels) and vLLM's attention backend / breakable CUDA graph switches change numerics on
+    real devices: each one lands in meta environment.env (issue 34)."""
+    from accucheck.store import open_capture
+
+    wanted = {"NCCL_ALGO": "Ring", "HCCL_OP_EXPANSION_MODE": "AIV", "LCCL_PARALLEL": "0",
+              "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "VLLM_ATTENTION_BACKEND": "TORCH_SDPA",
+              "VLLM_USE_BREAKABLE_CUDAGRAPH": "1", "INF_NAN_MODE_FORCE_DISABLE": "1",
+              "TORCH_TRANSFER_TO_NPU": "0"}
+    for k, v in wanted.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "c.h5"
+    code, _, err = run(["capture", tiny_dir, "--prompt", "hi", "--include", "model.layers.0.mlp",
+                        "--max-new-tokens", "1", "-o", out], capsys)
+    assert code == 0, err
+    with open_capture(out) as c:
+        env = c.meta["environment"]
+    assert {k: env["env"].get(k) for k in wanted} == wanted
+    assert "device_note" not in env and "TORCH_TRANSFER_TO_NPU" not in err
+
+
+def test_cuda_that_transfer_to_npu_runs_on_an_npu_is_said(tiny_dir, tmp_path, capsys,
+                                                          monkeypatch):
+    """TORCH_TRANSFER_TO_NPU=1 makes torch_npu map torch.cuda onto the NPU: --device cuda is
+    then an NPU capture. The summary line and meta environment.device_note say so (issue 34).
+    Here torch_device is faked (no GPU or NPU): it answers as transfer_to_npu would."""
+    import torch
+
+    from accucheck.capture import device as dev
+    from accucheck.store import open_capture
+
+    monkeypatch.setenv("TORCH_TRANSFER_TO_NPU", "1")
+    monkeypatch.setattr(dev, "torch_device", lambda spec: torch.device("cpu"))
+    out = tmp_path / "c.h5"
+    code, _, err = run(["capture", tiny_dir, "--device", "cuda", "--prompt", "hi", "--include",
+                        "model.layers.0.mlp", "--max-new-tokens", "1", "-o", out], capsys)
+    assert code == 0, err
+    [line] = [ln for ln in err.splitlines() if "TORCH_TRANSFER_TO_NPU" in ln]
+    assert "--device cuda runs on an Ascend NPU" in line
+    with open_capture(out) as c:
+        assert c.meta["environment"]["device_note"] == line
+        assert c.meta["environment"]["env"]["TORCH_TRANSFER_TO_NPU"] == "1"
+    assert dev.transfer_note(dev.parse_device("npu")) is None
+    assert dev.transfer_note(dev.parse_device("cpu")) is None
+
+
 def test_capture_flags_and_environment_are_recorded(tiny_dir, tmp_path, capsys, monkeypatch):
     """--compression, --deterministic, --seed, --include and the numerics environment
     variables, through the CLI: each one lands in the file."""

@@ -65,6 +65,26 @@ def test_tensor_parallel_packed_shards_are_cut_per_rank_then_joined(tmp_path):
                                           want.astype(np.float32))
 
 
+def test_kv_heads_replicated_across_ranks_are_taken_once(tmp_path):
+    """TP 4 with 2 KV heads (vLLM's num_kv_head_replicas = 2): rank r holds q head r and KV
+    head r // 2, so ranks 0 and 1 hold the same k / v columns; k is head 0 | head 1, not
+    every rank's copy side by side (issue 34)."""
+    full = RNG.standard_normal((1, 3, Q + 2 * KV))
+    q, k, v = full[..., :Q], full[..., Q:Q + KV], full[..., Q + KV:]
+    hd = KV // 2
+    shard = [np.concatenate([q[..., r * 2:(r + 1) * 2], k[..., r // 2 * hd:(r // 2 + 1) * hd],
+                             v[..., r // 2 * hd:(r // 2 + 1) * hd]], axis=-1) for r in range(4)]
+    base = f"r0.s0:{L}.self_attn.qkv_proj#0:out.0"
+    path = _vllm(tmp_path / "v.h5", [(f"{base}.rank{r}", shard[r], None, None) for r in range(4)],
+                 tp=4)
+    with open_capture(path) as r:
+        m = MappedCapture(r)
+        assert len(m.rows) == 3 and m.unmapped == 0
+        for name, want in (("q", q), ("k", k), ("v", v)):
+            np.testing.assert_array_equal(m.read(f"r0.s0:{L}.self_attn.{name}_proj#0:out.0"),
+                                          want.astype(np.float32))
+
+
 def test_renames_drops_and_what_is_left_alone(tmp_path):
     attn = RNG.standard_normal((1, 3, Q))
     act = RNG.standard_normal((1, 3, FFN))
@@ -146,6 +166,33 @@ def test_rank_weight_tables_join():
     assert merge_weight_tables({0: r0, 1: None}, 2) == {}  # a rank without its table
     one = merge_weight_tables({0: r0}, 1)
     assert one["embed.weight"]["shape"] == [16, 8] and "parallel" not in one["embed.weight"]
+
+
+def test_rank_weight_tables_count_a_replicated_kv_head_once():
+    """TP 4, 2 KV heads: ranks 0 / 1 hold head 0's k rows, ranks 2 / 3 head 1's. The join
+    adds heads 0 and 1 once each (shape and checksums of the unsharded k_proj); a rank whose
+    copy differs from its twin's is named, and the diff's weight note says so (issue 34)."""
+    from accucheck.compare.weights import weight_notes
+
+    def e(c, **kw):
+        return {"dtype": "float32", "shape": [2, 8], "checksum": c, "parallel": "column",
+                "cast": {"bfloat16": c + 1}, "source": "qkv_proj rows 2-3", **kw}
+    tables = {r: {"a.k_proj.weight": e(10 + r // 2 * 5, replicas=2),
+                  "a.q_proj.weight": e(100 + r)} for r in range(4)}
+    out = merge_weight_tables(tables, 4)
+    k = out["a.k_proj.weight"]
+    assert k["shape"] == [4, 8] and k["checksum"] == 10 + 15
+    assert k["cast"] == {"bfloat16": 11 + 16} and "replicas" not in k
+    assert k["source"] == "qkv_proj rows 2-3 of ranks 0, 2 (each KV head held by 2 ranks)"
+    assert out["a.q_proj.weight"]["shape"] == [8, 8]
+    assert out["a.q_proj.weight"]["checksum"] == 100 + 101 + 102 + 103
+    whole = {"a.k_proj.weight": {"dtype": "float32", "shape": [4, 8], "checksum": 25}}
+    assert weight_notes({"weights": whole}, {"weights": out}) == []
+    tables[3]["a.k_proj.weight"] = e(99, replicas=2)
+    bad = merge_weight_tables(tables, 4)["a.k_proj.weight"]
+    assert bad["replicas_differ"] == [[2, 3]]
+    [note] = weight_notes({"weights": whole}, {"weights": {"a.k_proj.weight": bad}})
+    assert "cand's tensor-parallel ranks 2 and 3 hold different copies" in note
 
 
 def test_the_arguments_of_a_fused_add_norm_are_vllms_own(tmp_path):

@@ -143,6 +143,8 @@ def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
         progress(f"capturing {model_dir} on {opts.device} ({_dtype_name(dtype)}, {opts.mode}, "
                  f"store {opts.store}) for {len(prompts)} prompt(s), {opts.max_new_tokens} "
                  f"decode step(s) -> {out}")
+        if dev.transfer_note(spec):
+            progress(dev.transfer_note(spec))
     model, tokenizer = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
     extra = dict(opts.meta_extra, model_path=str(Path(model_dir).resolve()))
     return capture_model(model, prompts, out, tokenizer=tokenizer, progress=progress,

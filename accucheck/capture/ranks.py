@@ -128,14 +128,19 @@ def merge_weight_tables(tables: dict[int, dict | None], tp: int) -> dict:
     (accucheck.capture.vllm_plugin.vllm_weight_table): a replicated weight from the lowest
     rank; a column- / row-split one with its checksums (exact bit-pattern sums mod 2**52)
     added across the ranks and its rows / columns joined; a vocabulary-parallel one (padded
-    rows) only at TP 1. Entries keep "source" (where a fused weight's part comes from)."""
+    rows) only at TP 1. Entries keep "source" (where a fused weight's part comes from).
+    k / v rows that `replicas` ranks hold alike (TP size above the KV heads: vLLM's
+    num_kv_head_replicas) are taken once, from ranks 0, replicas, 2 * replicas, ...: adding
+    every copy would count each head `replicas` times, and the diff would say WEIGHTS DIFFER
+    against the unsharded model for no reason. Copies that differ are named in
+    "replicas_differ" ([holder rank, rank]): compare.weights reports them."""
     ranks = sorted(r for r, t in tables.items() if t)
     if not ranks or (tp > 1 and len(ranks) != tp):
         return {}
     out: dict[str, dict] = {}
     for name, e0 in tables[ranks[0]].items():
         par = e0.get("parallel", "replicated")
-        entry = {k: v for k, v in e0.items() if k != "parallel"}
+        entry = {k: v for k, v in e0.items() if k not in ("parallel", "replicas")}
         if tp == 1 or par == "replicated":
             out[name] = entry
             continue
@@ -145,13 +150,36 @@ def merge_weight_tables(tables: dict[int, dict | None], tp: int) -> dict:
             if len(e0["shape"]) <= dim and par == "row":  # a row-parallel bias: replicated
                 out[name] = entry
             continue
-        shape = list(e0["shape"])
-        shape[dim] = sum(int(p["shape"][dim]) for p in parts)
-        entry.update(shape=shape, checksum=sum(int(p["checksum"]) for p in parts) % 2 ** 52)
-        if "cast" in e0:
-            entry["cast"] = {k: sum(int(p["cast"][k]) for p in parts) % 2 ** 52
-                             for k in e0["cast"]}
-        if "source" in e0:
-            entry["source"] = f"{e0['source']} of each of {tp} ranks"
-        out[name] = entry
+        joined = _join_split(entry, parts, dim, int(e0.get("replicas", 1) or 1), tp)
+        if joined is not None:
+            out[name] = joined
     return out
+
+
+def _join_split(entry: dict, parts: list[dict], dim: int, replicas: int, tp: int) -> dict | None:
+    """`entry` with the shape and checksums of the ranks' `parts` joined along `dim`, each
+    group of `replicas` ranks counted once; None when the TP size is not a multiple of it
+    (no correct join: left out of the table)."""
+    if replicas < 1 or tp % replicas:
+        return None
+    held = parts[::replicas]
+    entry = dict(entry)
+    shape = list(entry["shape"])
+    shape[dim] = sum(int(p["shape"][dim]) for p in held)
+    entry.update(shape=shape, checksum=sum(int(p["checksum"]) for p in held) % 2 ** 52)
+    if "cast" in entry:
+        entry["cast"] = {k: sum(int(p["cast"][k]) for p in held) % 2 ** 52
+                         for k in entry["cast"]}
+    differ = [[r - r % replicas, r] for r, p in enumerate(parts)
+              if r % replicas and _copy_key(p) != _copy_key(parts[r - r % replicas])]
+    if differ:
+        entry["replicas_differ"] = differ
+    if "source" in entry:
+        entry["source"] = f"{entry['source']} of each of {tp} ranks" if replicas == 1 else (
+            f"{entry['source']} of ranks {', '.join(str(r) for r in range(0, tp, replicas))} "
+            f"(each KV head held by {replicas} ranks)")
+    return entry
+
+
+def _copy_key(part: dict) -> tuple:
+    return (list(part.get("shape") or []), part.get("checksum"), part.get("cast"))

@@ -46,11 +46,18 @@ def default_modules(model: nn.Module) -> list[str]:
         top = layer_of(name) is None
         if (leaf in _EMBED_NAMES and top) or name in layer_blocks \
                 or (leaf in _FINAL_NORM_NAMES and top) or leaf in _POSITION_NAMES \
-                or type(mod).__name__.endswith(_POSITION_CLASSES):
+                or is_kind(mod, _POSITION_CLASSES):
             picked.update(sub for sub, _ in mod.named_modules(prefix=name))
     return [name for name, mod in by_name.items()
-            if name in picked and not type(mod).__name__.endswith(_SKIP_CLASSES)
+            if name in picked and not is_kind(mod, _SKIP_CLASSES)
             and name.split(".")[-1] not in _HEAD_NAMES]
+
+
+def is_kind(mod: nn.Module, suffixes: tuple[str, ...]) -> bool:
+    """Whether a class in `mod`'s MRO has a name ending with one of `suffixes`. By the bases,
+    not the class's own name: vllm-ascend swaps in subclasses whose names do not end like
+    vLLM's (AscendRotaryEmbedding310 for RotaryEmbedding)."""
+    return any(c.__name__.endswith(suffixes) for c in type(mod).__mro__)
 
 
 def select_modules(model: nn.Module, include: Sequence[str] | None = None,

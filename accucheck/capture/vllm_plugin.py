@@ -54,7 +54,10 @@ _RUNNER_CLASSES = (
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
     ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
 )
+RUNNER_OF_DEVICE = {"cuda": "GPUModelRunner", "cpu": "CPUModelRunner", "npu": "NPUModelRunner"}
 _patched: set[type] = set()
+# runner class name -> why it did not import (one line), unless its package is simply absent
+import_errors: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -146,15 +149,40 @@ def install() -> None:
         pass
 
     for mod_name, cls_name in _RUNNER_CLASSES:
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
-        except Exception:  # not this platform (no vllm_ascend, no CPU runner on a GPU build)
+        cls = _import_runner(mod_name, cls_name)
+        if cls is None:
             continue
         if cls in _patched or "load_model" not in vars(cls):
             _patched.add(cls)
             continue
         _patched.add(cls)
         cls.load_model = _wrap_load_model(vars(cls)["load_model"])
+
+
+def _import_runner(mod_name: str, cls_name: str) -> type | None:
+    """The runner class, or None. A package that is not installed (no vllm_ascend on a GPU) is
+    not this platform and says nothing; any other failure (a module the installed package
+    lacks, a name it does not define, vllm-ascend's NPUModelRunner importing a dependency that
+    is missing or of the wrong version) is kept in `import_errors`, so the capture names it
+    instead of blaming the accucheck install."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(mod_name), cls_name)
+    except Exception as e:
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing == mod_name.split(".")[0]:
+            return None  # the runner's package is not installed: another platform
+        first = (str(e).strip().splitlines() or [""])[0]
+        import_errors[cls_name] = (f"{mod_name}.{cls_name} does not import: "
+                                   f"{type(e).__name__}: {first}")
+        return None
+
+
+def runner_import_error(device_kind: str) -> str | None:
+    """Why the model runner of `device_kind` ("cuda", "cpu", "npu") did not import, if it did
+    not (after `install`); None when it imported or its package is absent."""
+    return import_errors.get(RUNNER_OF_DEVICE.get(device_kind, ""))
 
 
 def _wrap_load_model(orig):
@@ -185,7 +213,8 @@ def collect(worker) -> dict:
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
     if col is None:
-        return {"attached": False, "rank": _tp_rank_size()[0]}
+        return {"attached": False, "rank": _tp_rank_size()[0],
+                "import_errors": dict(import_errors)}
     return col.drain()
 
 
@@ -218,10 +247,10 @@ class Collector:
         self._active = [False]  # eager hooks record only inside execute_model (not profiling)
         by_name = dict(self.model.named_modules())
         self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
-                        if type(by_name[n]).__name__ != "PPMissingLayer"]
+                        if vllm_kind(by_name[n]) != "PPMissingLayer"]
         if not cfg.include:
             self.modules = vllm_default(self.model, self.modules)
-        self.kinds = {n: type(by_name[n]).__name__ for n in self.modules}
+        self.kinds = {n: vllm_kind(by_name[n]) for n in self.modules}  # for capture.ranks
         # stats store, one rank: a fused layer's output also recorded as transformers' leaves
         # (q / k / v, gate / up), so a stats capture compares leaf by leaf (compare.mapping)
         self._splits = {n: parts for n in self.modules
@@ -439,6 +468,7 @@ class Collector:
 
     def drain(self) -> dict:
         out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
+               "parallel": parallel_settings(self.runner),
                "modules": self.modules, "records": [r.to_wire() for r in self.records],
                "weights": self.weights,
                "errors": self.errors,
@@ -456,7 +486,25 @@ class Collector:
 # (qkv_proj, gate_up_proj), the attention core (attn) and the fused activation (act_fn:
 # act(gate) * up) are recorded: the diff shows them as transformers' leaves
 # (accucheck.compare.mapping), their tensor-parallel shards joined.
-_VLLM_DEFAULT_SKIP_EXACT = ("ColumnParallelLinear",)
+_VLLM_DEFAULT_SKIP = ("ColumnParallelLinear",)
+# vLLM layer classes accucheck decides on by name (`vllm_kind`); and any "...AndMul" activation
+VLLM_KINDS = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
+              "RowParallelLinear", "ReplicatedLinear", "VocabParallelEmbedding", "ParallelLMHead",
+              "Attention", "PPMissingLayer")
+
+
+def vllm_kind(mod: torch.nn.Module) -> str:
+    """The vLLM layer class `mod` is: the first class of its MRO named in VLLM_KINDS, else the
+    last one whose name ends "AndMul" (vLLM's SiluAndMul under AscendSiluAndMul310 and
+    AscendSiluAndMul), else its own class name. vllm-ascend registers subclasses in place of
+    vLLM's layers (AscendColumnParallelLinear, AscendQKVParallelLinear, AscendSiluAndMul310,
+    ...: vllm_ascend/utils.py REGISTERED_ASCEND_OPS), so deciding by the exact class name
+    treats the same layer differently on the NPU only (a skip that does not skip, a sharded
+    activation taken for a replicated one)."""
+    names = [c.__name__ for c in type(mod).__mro__]
+    known = [n for n in names if n in VLLM_KINDS]
+    acts = [n for n in names if n.endswith("AndMul")]
+    return known[0] if known else acts[-1] if acts else names[0]
 
 
 def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
@@ -472,8 +520,8 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
     by_name = dict(model.named_modules())
     out = []
     for n in names:
-        kind = type(by_name[n]).__name__
-        if kind in _VLLM_DEFAULT_SKIP_EXACT \
+        kind = vllm_kind(by_name[n])
+        if kind in _VLLM_DEFAULT_SKIP \
                 or len(layers.get(id(by_name[n]), ())) > 1:
             continue
         out.append(n)
@@ -482,7 +530,7 @@ def vllm_default(model: torch.nn.Module, names: list[str]) -> list[str]:
 
 def _fused_parts(mod: torch.nn.Module) -> list[tuple[str, int]] | None:
     """This rank's rows of a fused layer's weight, in order: [(transformers leaf, rows)]."""
-    kind = type(mod).__name__
+    kind = vllm_kind(mod)
     if kind.endswith("QKVParallelLinear"):
         q = int(mod.num_heads) * int(mod.head_size)
         kv = int(mod.num_kv_heads) * int(mod.head_size)
@@ -507,10 +555,19 @@ def _parallel(mod: torch.nn.Module) -> str:
     return "replicated"
 
 
+def kv_replicas(mod: torch.nn.Module) -> int:
+    """How many tensor-parallel ranks hold each k / v head of a fused QKV layer: vLLM's
+    QKVParallelLinear (and vllm-ascend's subclass) sets `num_kv_head_replicas` = tp //
+    num_kv_heads when the TP size exceeds the KV heads (rank r loads head r // replicas), else
+    1. A merge that added every rank's k / v rows would count each head `replicas` times."""
+    return max(int(getattr(mod, "num_kv_head_replicas", 1) or 1), 1)
+
+
 def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, dict]]:
     """`mod`'s own parameters under transformers' names, with what the table says of each: a
     fused weight (qkv_proj, gate_up_proj) cut into its q / k / v (gate / up) rows with their
-    "source" ("qkv_proj rows 576-767"), and how the ranks split it ("parallel")."""
+    "source" ("qkv_proj rows 576-767"), how the ranks split it ("parallel") and, for k / v
+    rows that several ranks hold (`kv_replicas` > 1), "replicas"."""
     out = []
     leaf = path.rsplit(".", 1)[-1]
     for pname, t in mod.named_parameters(recurse=False):
@@ -521,9 +578,11 @@ def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tens
             continue
         start = 0
         for name, rows in parts:
+            extra = {"parallel": "column", "source": f"{leaf} rows {start}-{start + rows - 1}"}
+            if name in ("k_proj", "v_proj") and kv_replicas(mod) > 1:
+                extra["replicas"] = kv_replicas(mod)
             out.append((f"{path[: len(path) - len(leaf)]}{name}.{pname}", t[start:start + rows],
-                        {"parallel": "column",
-                         "source": f"{leaf} rows {start}-{start + rows - 1}"}))
+                        extra))
             start += rows
     return out
 
@@ -678,6 +737,18 @@ def _split_leaves(pieces, splits: dict[str, list[tuple[str, int]]]):
         for leaf, n in parts:
             yield f"{prefix}.{leaf}", role, call, slot, t[..., start:start + n].contiguous()
             start += n
+
+
+PARALLEL_SETTINGS = ("pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size", "decode_context_parallel_size")
+
+
+def parallel_settings(runner) -> dict[str, int]:
+    """The engine's parallel sizes as the runner's vllm_config holds them (vLLM's
+    ParallelConfig names; 1 where absent): the front end refuses what it cannot capture even
+    when it reached the engine without an engine argument (vllm_runner.refuse_parallel)."""
+    config = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    return {k: int(getattr(config, k, 1) or 1) for k in PARALLEL_SETTINGS}
 
 
 def _tp_rank_size() -> tuple[int, int]:

@@ -42,7 +42,16 @@ VLLM_DTYPES = ("float32", "float16", "bfloat16")
 # Engine settings a capture cannot work without; engine_kwargs may not change them.
 _FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
                   "enable_prefix_caching": False, "async_scheduling": False}
-_SUPPORTED_PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
+# vLLM parallel settings a capture refuses above 1 (vllm 0.32 ParallelConfig names), and why
+REFUSED_PARALLEL = {
+    "pipeline_parallel_size": "records come from one rank: a stage holds only its layers",
+    "data_parallel_size": "records come from one rank: each replica serves other requests",
+    "prefill_context_parallel_size": "context parallel: two workers share each "
+                                     "tensor-parallel rank and would overwrite each other's "
+                                     "records",
+    "decode_context_parallel_size": "context parallel: the ranks split the decode KV cache, "
+                                    "which the capture's rank merge does not model",
+}
 WORKER_EXTENSION = "accucheck.capture.vllm_plugin.CaptureWorker"
 FORCE_TOKENS = "accucheck.capture.vllm_plugin:ForceTokens"  # vLLM wants <module>:<type>
 TEST_FAULT_ENV = "ACCUCHECK_VLLM_TEST_FAULT"
@@ -65,9 +74,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
     are stored per rank with an annotation (accucheck.capture.ranks, meta "tensor_parallel").
-    Pipeline / data parallel are refused. The capture ends with the coverage verdict
-    (accucheck.coverage): something expected but missing leaves the file incomplete and raises
-    UserError naming the rank / step / request.
+    Pipeline / data / context parallel are refused (REFUSED_PARALLEL). The capture ends with
+    the coverage verdict (accucheck.coverage): something expected but missing leaves the file
+    incomplete and raises UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
     and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
@@ -92,10 +101,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     if opts.compile_backend:
         raise UserError("--compile-backend is for --runner hf; vLLM's graph mode is chosen with "
                         "--engine-arg compilation_config='{\"cudagraph_mode\": \"PIECEWISE\"}'")
-    for key in _SUPPORTED_PARALLEL:
-        if int(engine_kwargs.get(key, 1) or 1) > 1:
-            raise UserError(f"{key}={engine_kwargs[key]} is not supported by the vLLM capture "
-                            f"(records come from one rank): use tensor_parallel_size only")
+    refuse_parallel(engine_kwargs)
     eager = opts.mode == "eager"
     if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
         raise UserError(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts --mode "
@@ -130,6 +136,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         seeded = dev.seed_everything(opts.seed, spec)
         determinism = dev.set_deterministic(spec) if opts.deterministic else {}
         plugin.install()  # the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) patches here
+        if (why := plugin.runner_import_error(spec.kind)) is not None:
+            raise runner_import_refusal(why)  # not "install accucheck": the real cause
         environment = dev.fingerprint(spec)
         from vllm import LLM, SamplingParams
 
@@ -160,7 +168,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         llm = _engine(LLM, kwargs)
         timing = {"engine_start_s": time.monotonic() - t0}
         try:
-            infos = _gather(llm.collective_rpc(COLLECT), tp)
+            infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
+            refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
@@ -175,7 +184,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
                                                params_for(forced), use_tqdm=False)
                         t1 = time.monotonic()
-                        got = _gather(llm.collective_rpc(COLLECT), tp)
+                        got = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
                         timing.update(generate_s=t1 - t0, collect_s=time.monotonic() - t1)
                     except Exception as e:
                         if not _engine_died(e):
@@ -208,6 +217,17 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
 
 # -- engine set-up -------------------------------------------------------------------------
+def refuse_parallel(settings: dict) -> None:
+    """UserError naming the first REFUSED_PARALLEL setting above 1 in `settings` (engine
+    arguments before the engine starts; the engine's own ParallelConfig values, reported by
+    the workers, after: a setting that reached it another way)."""
+    for key, why in REFUSED_PARALLEL.items():
+        value = settings.get(key, 1)
+        if int(value or 1) > 1:
+            raise UserError(f"{key}={value} is not supported by the vLLM capture ({why}): use "
+                            f"tensor_parallel_size only")
+
+
 def _vllm_dtype(name: str | None) -> str:
     dtype = str(parse_dtype(name or "float32")).replace("torch.", "")
     if dtype not in VLLM_DTYPES:
@@ -350,15 +370,31 @@ def cpu_binding(tp: int) -> str:
     return "|".join(parts)
 
 
-def _gather(results: list, tp: int) -> dict[int, dict]:
+def runner_import_refusal(why: str) -> UserError:
+    """The one line for a model runner class that does not import (vllm_plugin.import_errors):
+    the real error, not "install accucheck"."""
+    return UserError(f"{why}; the accucheck vLLM plugin hooks that model runner, so nothing can "
+                     f"be captured: install what is missing (the vLLM / vllm-ascend / torch "
+                     f"versions their release notes pair), then capture again")
+
+
+def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
     """Every worker's answer to `accucheck_collect`, by rank; a rank whose plugin did not
-    attach counts as a rank that recorded nothing (the coverage check names it)."""
+    attach counts as a rank that recorded nothing (the coverage check names it). No rank
+    attached: the `kind` device's runner class that did not import in a worker is named,
+    else the plugin is said to be missing."""
+    from accucheck.capture.vllm_plugin import RUNNER_OF_DEVICE
+
     by_rank: dict[int, dict] = {}
+    why = None
     for i, res in enumerate(results):
         rank = int(res.get("rank", i))
+        why = why or (res.get("import_errors") or {}).get(RUNNER_OF_DEVICE.get(kind, ""))
         by_rank[rank] = res if res.get("attached") else {
             "attached": False, "rank": rank, "records": [], "errors": [], "schedule": []}
     if not any(r.get("attached") for r in by_rank.values()):
+        if why:
+            raise runner_import_refusal(why)
         raise UserError("the accucheck vLLM plugin did not attach to the model runner: install "
                         "accucheck in the same environment as vLLM (pip install -e . registers "
                         "the `vllm.general_plugins` entry point that worker processes load)")

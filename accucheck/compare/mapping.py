@@ -17,7 +17,8 @@ culprit inside them could only be named at the decoder layer. A vLLM capture is 
 
 Under tensor parallel each rank holds its heads / columns of these outputs (`<slot>.rank<r>`,
 meta tensor_parallel.shards): the q / k / v (gate / up) part of every rank is cut first (sizes
-divided by the TP size), then the ranks' parts are joined in rank order; the renamed sharded
+divided by the TP size), then the ranks' parts are joined in rank order (a TP size above the KV
+heads: each rank's k / v is one head held by tp // kv_heads ranks, taken once); the renamed sharded
 outputs are joined likewise. A split record is read from the fused one, so it needs its values
 (--store full); in the stats store the vLLM capture records the leaves' statistics itself (one
 rank: accucheck.capture.vllm_plugin) and the fused record is hidden, a renamed record keeps its
@@ -62,7 +63,15 @@ def sizes(config: dict) -> dict[str, int] | None:
         ffn = int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
-    return {"q": heads * head_dim, "kv": kv * head_dim, "ffn": ffn}
+    return {"q": heads * head_dim, "kv": kv * head_dim, "ffn": ffn, "kv_heads": kv}
+
+
+def kv_replicas(sz: dict, tp: int) -> int:
+    """Ranks per KV head under tensor parallel `tp` (vLLM's QKVParallelLinear rule: tp //
+    num_kv_heads when tp exceeds the KV heads, else 1): each rank's k / v part of qkv_proj is
+    one head, the same on `replicas` consecutive ranks."""
+    heads = int(sz.get("kv_heads") or 0)
+    return tp // heads if heads and tp > heads and tp % heads == 0 else 1
 
 
 def mapping_table(config: dict) -> list[dict]:
@@ -216,30 +225,34 @@ class MappedCapture:
         first = rows[0]
         reader = self._r
 
-        def joined_parts(spec: list[tuple[str, int]]) -> dict[str, np.ndarray]:
-            """Each part's values: every rank's share (sizes / ranks) cut, then joined."""
+        def joined_parts(spec: list[tuple[str, int, int]]) -> dict[str, np.ndarray]:
+            """Each part's values: every rank's share (size x replicas / ranks) cut, then
+            joined, a part that `replicas` ranks hold alike taken from the first of them."""
             n = len(rows)
-            pieces: dict[str, list[np.ndarray]] = {name: [] for name, _ in spec}
-            for r in rows:
+            pieces: dict[str, list[np.ndarray]] = {name: [] for name, _, _ in spec}
+            for i, r in enumerate(rows):
                 x = reader.read(r.key)
                 start = 0
-                for name, size in spec:
-                    share = size // n
-                    pieces[name].append(x[..., start:start + share])
+                for name, size, rep in spec:
+                    share = size * rep // n
+                    if i % rep == 0:
+                        pieces[name].append(x[..., start:start + share])
                     start += share
             return {name: np.concatenate(p, axis=-1) for name, p in pieces.items()}
 
         if rule == "fused":
             leaf = base.module.rsplit(".", 1)[-1]
-            spec = [(name, sz[s]) for name, s in FUSED[leaf]]
-            width = sum(s for _, s in spec)
-            if sum(r.shape[-1] for r in rows) != width or any(s % len(rows) for _, s in spec):
+            rep = kv_replicas(sz, len(rows)) if leaf == "qkv_proj" else 1
+            spec = [(name, sz[s], rep if s == "kv" else 1) for name, s in FUSED[leaf]]
+            width = sum(s * k for _, s, k in spec)
+            if sum(r.shape[-1] for r in rows) != width or any(s * k % len(rows)
+                                                              for _, s, k in spec):
                 self.unmapped += len(rows)
                 return None
             prefix = base.module.rsplit(".", 1)[0]
             values = joined_parts(spec)  # for the statistics; read again when compared
             out = []
-            for name, _ in spec:
+            for name, _, _ in spec:
                 key = RecordKey(base.req, base.step, f"{prefix}.{name}", base.call, "out", "0")
                 if str(key) in present:
                     continue
@@ -251,7 +264,7 @@ class MappedCapture:
             # input (hidden: its own name would mean act(gate) to transformers); the fused
             # norm's residual is not vLLM's norm input (kept under its vllm slot)
             return [] if to_suffix != suffix else None
-        spec = [("all", sum(r.shape[-1] for r in rows))]
+        spec = [("all", sum(r.shape[-1] for r in rows), 1)]
 
         def whole() -> np.ndarray:
             return joined_parts(spec)["all"] if len(rows) > 1 else reader.read(first.key)

@@ -17,7 +17,10 @@ positions. Two captures' weights of the same name differ when
 
 vLLM captures name their weights as transformers does: a fused weight (qkv_proj, gate_up_proj)
 is recorded as its q / k / v (gate / up) rows, with its "source" ("qkv_proj rows 576-767"),
-which the note names. Weights on one side only are not compared. The diff reports what differs in one note; the verdict is left to the records.
+which the note names. Under tensor parallel a KV head that several ranks hold is counted
+once; ranks whose copies of it differ ("replicas_differ") are a difference of their own.
+Weights on one side only are not compared. The diff reports what differs in one note; the
+verdict is left to the records.
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ def weight_differences(ref_meta: dict, cand_meta: dict) -> list[tuple[str, str]]
 
 
 def _differs(a: dict, b: dict) -> str:
+    for side, e in (("ref", a), ("cand", b)):
+        if e.get("replicas_differ"):  # accucheck.capture.ranks: one KV head, two copies
+            r0, r1 = e["replicas_differ"][0]
+            return (f"{side}'s tensor-parallel ranks {r0} and {r1} hold different copies of "
+                    f"the same KV heads")
     if list(a.get("shape") or []) != list(b.get("shape") or []):
         return f"shape {a.get('shape')} vs {b.get('shape')}"
     da, db = a.get("dtype"), b.get("dtype")
