@@ -5,6 +5,11 @@ is one where the rule without the gate (name the first introduced record over to
 answers otherwise."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import pytest
+
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.results import DiffResult, GoldenLabel, RecordDiff, StatsDelta
 from accucheck.compare.tolerances import PEER_GATE, Tolerance
@@ -200,3 +205,42 @@ def test_a_site_that_stands_out_in_sampled_estimates_only_is_not_named():
     a = _sampled(bound_at_5=3.0)
     assert a.culprit is not None and a.culprit.module == "model.layers.5.post_attention_layernorm"
     assert a.exit_code == 1
+
+
+def _residual(out_norm: float) -> Analysis:
+    """One decoder layer fed by the embedding (rel_l2 0.01 of a norm-10 tensor), its
+    self_attn and mlp outputs at rel_l2 0.02 (norms 5 and 9), and its output (input +
+    attention + MLP, made by the layer's own code) at rel_l2 0.3 of a reference of norm
+    `out_norm`. Absolute errors: 0.1 + 0.1 + 0.18 reach the output at most."""
+    recs = []
+
+    def add(module: str, rel: float, norm: float, src: RecordKey | None) -> RecordKey:
+        key = RecordKey(0, 0, module, 0, "out", "0")
+        m = dataclasses.replace(_m(rel), rmse=rel * norm / math.sqrt(8))
+        recs.append(RecordDiff(
+            key=key, kind="module", order=len(recs), ref_dtype="bfloat16",
+            cand_dtype="bfloat16", ref_shape=(1, 8), cand_shape=(1, 8),
+            tolerance=Tolerance(TOL), basis="tensor", metrics=m,
+            src=(("0", str(src)),) if src is not None else ()))
+        return key
+
+    emb = add("model.embed_tokens", 0.01, 10.0, None)
+    add("model.layers.0.self_attn", 0.02, 5.0, emb)
+    add("model.layers.0.mlp", 0.02, 9.0, emb)
+    add("model.layers.0", 0.3, out_norm, emb)
+    d = DiffResult("ref.h5", "cand.h5", None, tuple(recs), (), (), None, (), (), 0, ())
+    return Analysis(d, locate(d))
+
+
+def test_a_residual_sum_that_cancels_passes_on_its_addends_absolute_error():
+    """A late layer's MLP cancels the massive activation its input carries: the layer's output
+    is small, and its relative error several times every addend's (between two correct bf16
+    runs of SmolLM2, layer 28's output at x4.6 its input and its children, named). What a
+    container's own code passes on is the sum of its feeders' absolute errors: 0.38 against
+    an output of norm 1 explains rel_l2 0.3. The same rel_l2 of a norm-10 output does not."""
+    a = _residual(out_norm=1.0)
+    loc = next(x for x in a.location.records if x.key.module == "model.layers.0")
+    assert loc.cause == "inherited" and loc.explained == pytest.approx(0.38)
+    assert a.culprit is None and a.exit_code == 0
+    a = _residual(out_norm=10.0)
+    assert a.culprit is not None and a.culprit.module == "model.layers.0"

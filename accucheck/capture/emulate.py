@@ -168,7 +168,7 @@ def _norms(model: nn.Module) -> Iterator[None]:
         h = x.float()
         y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * mod.weight.float()
              ).to(out.dtype)
-        err = (y.float() - out.float()).norm() / max(out.float().norm().item(), 1e-30)
+        err = (y.float() - out.float()).detach().norm() / max(out.float().norm().item(), 1e-30)
         if err > 0.05:  # far over any rounding: another formula
             raise UserError(f"emulated fused RMSNorm does not compute {type(mod).__name__} "
                             f"(rel_l2 {float(err):.2g} against its own output)")

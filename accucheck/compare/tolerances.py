@@ -70,17 +70,21 @@ NOISE_FLOOR_FACTOR = 5.0
 # noise at 3.9-8.7x, at x4 at 6.5x and more (docs/control.md has the measured rates).
 PEER_GATE = 4.0
 # Control rule (verdict.noise, with --control): a site (a record key without request and
-# step) is "more than noise" when the geometric mean over its records of its excess ratio
+# step) is "more than noise" when the geometric mean over its records (the largest left out of
+# three or more) of its excess ratio
 # (its error / the control's, over what feeds it) stands CONTROL_Z spreads above its kind's
 # location (the same module kind within CONTROL_WINDOW layers: their median log excess, capped
 # at 0 so a fault in every layer still shows; the spread from the steps between consecutive
-# layers) and is at least CONTROL_MIN_RATIO. A kind with fewer than CONTROL_MIN_PEERS sites
+# layers) and is at least CONTROL_MIN_RATIO (CONTROL_MIN_RATIO_ESTIMATED where the errors are
+# estimated from 64 sampled values, the stats store: two dithered bf16 runs differed by x1.16
+# at layer 0's norm, fed exactly, over six records of SmolLM2; docs/control.md). A kind with fewer than CONTROL_MIN_PEERS sites
 # (logits, rotary, the final norm) uses CONTROL_PEERLESS_SPREAD; no spread is taken below
 # CONTROL_SPREAD_FLOOR. An error below
 # CONTROL_ERROR_FLOOR x the record's tolerance is never more than noise. Chosen from the
 # false-alarm / power table of bench/bench_control.py (docs/control.md).
 CONTROL_Z = 5.0
 CONTROL_MIN_RATIO = 1.15
+CONTROL_MIN_RATIO_ESTIMATED = 1.3
 CONTROL_MIN_PEERS = 5
 CONTROL_WINDOW = 4
 CONTROL_SPREAD_FLOOR = 0.03

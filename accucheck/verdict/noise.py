@@ -26,7 +26,8 @@ every record. The candidate is compared with it record by record:
   the largest record; bench/bench_devices.py.) The site is judged against its kind (the same module kind and slot in
   the other layers, keys.peer_kind): more than noise when its log excess stands CONTROL_Z
   spreads above its location and the excess is at least CONTROL_MIN_RATIO
-  (compare.tolerances, CONTROL_*). The location is the median of the kind's sites within
+  (CONTROL_MIN_RATIO_ESTIMATED when its errors are estimates from sampled values, the stats
+  store; compare.tolerances, CONTROL_*). The location is the median of the kind's sites within
   CONTROL_WINDOW layers, capped at 0 (an excess of 1), so that a fault in every layer stays
   visible; the spread is the robust spread of the steps between consecutive layers' log
   excess (1.4826 x their median / sqrt 2): a fault shifts every layer after it from "less
@@ -46,10 +47,11 @@ from __future__ import annotations
 import math
 import statistics
 
-from accucheck.compare.results import DiffResult, RecordDiff
+from accucheck.compare.results import ESTIMATED, DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
-                                          CONTROL_MIN_RATIO, CONTROL_ORIGIN,
+                                          CONTROL_MIN_RATIO, CONTROL_MIN_RATIO_ESTIMATED,
+                                          CONTROL_ORIGIN,
                                           CONTROL_PEERLESS_SPREAD, CONTROL_SPREAD_FLOOR,
                                           CONTROL_WINDOW, CONTROL_Z)
 from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind
@@ -102,11 +104,13 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
             else:
                 location, spread = 0.0, CONTROL_PEERLESS_SPREAD
             xs = sorted(by_site[s], key=lambda p: (p[0].key.step, p[0].key.req, p[0].order))
-            limit = max(math.exp(location + CONTROL_Z * spread), CONTROL_MIN_RATIO)
+            least = CONTROL_MIN_RATIO_ESTIMATED if all(r.basis in ESTIMATED for r, _ in xs) \
+                else CONTROL_MIN_RATIO
+            limit = max(math.exp(location + CONTROL_Z * spread), least)
             named = next((x for _, x in xs if x.excess > limit),
                          max((x for _, x in xs), key=lambda x: x.excess))
             site = NoiseSite(s, kind, named.key, gm[s], len(xs), location, spread,
-                             len(members), False)
+                             len(members), False, least)
             sites.append(NoiseSite(**{**site.__dict__, "flagged": gm[s] > site.threshold}))
     # a site's place in the forward pass: where it first runs (earliest step, request, order).
     # Not where its named record is: a fault upstream may cross the threshold first in a later

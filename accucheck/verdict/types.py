@@ -175,6 +175,7 @@ class NoiseSite:
     spread: float
     peers: int            # sites of its kind, itself included
     flagged: bool
+    min_ratio: float = CONTROL_MIN_RATIO  # the least excess that is more than noise
 
     @property
     def z(self) -> float:
@@ -184,7 +185,7 @@ class NoiseSite:
     @property
     def threshold(self) -> float:
         """The excess above which this site is more than noise."""
-        return max(math.exp(self.location + CONTROL_Z * self.spread), CONTROL_MIN_RATIO)
+        return max(math.exp(self.location + CONTROL_Z * self.spread), self.min_ratio)
 
 
 @dataclass(frozen=True)
