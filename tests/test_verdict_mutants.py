@@ -490,8 +490,10 @@ def test_no_noise_floor_with_a_golden_referee():
 # ----------------------------------------------------------------- locate: input errors
 
 def test_node_error_and_inner_error_are_maxima():
-    """A container's children: a (out.0 1e-3, out.1 2e-3) and b (out.0 8e-3, out.1 1e-3): its
-    inner error is 8e-3, so 2e-2 is inherited (< 4 x 8e-3)."""
+    """A container's children: a (out.0 1e-3, out.1 2e-3) and b (out.0 8e-3, out.1 1e-3), all
+    of one norm: what its own code can pass on is their largest error, or the sum of their
+    absolute errors over its output's norm (a residual sum), whichever is larger: 1.2e-2, so
+    2e-2 is inherited (< 4 x 1.2e-2)."""
     d = D().add("r0.s0:e#0:out.0")
     d.add("r0.s0:m.layers.0.a#0:out.0", 1e-3, src={"0": "e#0:out.0"})
     d.add("r0.s0:m.layers.0.a#0:out.1", 2e-3, src={"0": "e#0:out.0"})
@@ -499,8 +501,9 @@ def test_node_error_and_inner_error_are_maxima():
     d.add("r0.s0:m.layers.0.b#0:out.1", 1e-3, src={"0": "e#0:out.0"})
     d.add("r0.s0:m.layers.0#0:out.0", 2e-2, src={"0": "e#0:out.0"})
     x = _locs(d.locate())["r0.s0:m.layers.0#0:out.0"]
-    assert (x.inner_error, x.input_error, x.cause) == (8e-3, 0.0, "inherited")
-    assert x.introduced == pytest.approx(2e-2 - 8e-3, rel=1e-12)
+    assert x.input_error == 0.0 and x.cause == "inherited"
+    assert x.inner_error == pytest.approx(1.2e-2, rel=1e-12)
+    assert x.introduced == pytest.approx(2e-2 - 1.2e-2, rel=1e-12)
 
 
 def test_links_of_any_output_of_a_module_call_count():
@@ -624,18 +627,19 @@ def test_introduced_is_error_minus_explained_never_negative():
     d = D().add("r0.s0:m.c#0:out.0", 5e-3)          # first record: nothing feeds it
     d.add("r0.s0:m#0:out.0", 3e-2)                  # container, no input: inner 5e-3
     d.add("r0.s0:n#0:in.0", 4e-3).add("r0.s0:n.c#0:out.0", 2e-3, src={"0": "m#0:out.0"})
-    d.add("r0.s0:n#0:out.0", 1e-1)                  # input 4e-3, inner 2e-3... and m's 3e-2
+    d.add("r0.s0:n#0:out.0", 1e-1)                  # input 4e-3, inner 4e-3 + 2e-3 (summed)
     d.add("r0.s0:k#0:in.0", 1e-3).add("r0.s0:k.c#0:out.0", 9e-2, src={"0": "n#0:out.0"})
-    d.add("r0.s0:k#0:out.0", 5e-1)                  # input 1e-3 < inner 9e-2
+    d.add("r0.s0:k#0:out.0", 5e-1)                  # input 1e-3 < inner 9e-2 + 1e-3
     d.add("r0.s0:z#0:out.0", 1e-3, src={"0": "k#0:out.0"})   # below what feeds it
     locs = _locs(d.locate())
     got = {k.split(":")[1]: (x.input_error, x.inner_error, x.introduced)
            for k, x in locs.items() if ":out." in k}
     assert got["m.c#0"] == (None, None, 5e-3)
     assert got["m#0"] == (None, 5e-3, pytest.approx(3e-2 - 5e-3, rel=1e-12))
-    assert got["n#0"][:2] == (4e-3, 2e-3)
-    assert got["n#0"][2] == pytest.approx(1e-1 - 4e-3, rel=1e-12)
-    assert got["k#0"] == (1e-3, 9e-2, pytest.approx(5e-1 - 9e-2, rel=1e-12))
+    assert got["n#0"][0] == 4e-3 and got["n#0"][1] == pytest.approx(6e-3, rel=1e-12)
+    assert got["n#0"][2] == pytest.approx(1e-1 - 6e-3, rel=1e-12)
+    assert got["k#0"][:2] == (1e-3, pytest.approx(9.1e-2, rel=1e-12))
+    assert got["k#0"][2] == pytest.approx(5e-1 - 9.1e-2, rel=1e-12)
     assert got["z#0"] == (5e-1, None, 0.0)
 
 

@@ -33,6 +33,8 @@ class RecordLocation:
     cause: str | None             # "introduced" | "inherited" | None when within tolerance
     introduced: float             # local error: shadow rel_l2, else max(0, error - explained)
     inner_error: float | None = None  # largest error among the children that feed this slot
+                                      # (a slot its own code made: or their and its inputs'
+                                      # absolute errors summed, over its norm, if larger)
     input_basis: str = "none"     # one of INPUT_BASES: how input_error was found
     feeders: tuple[str, ...] = ()  # every record considered as feeding it (verdict.flow)
     rounding: float = 0.0         # the error one rounding of the run's dtype makes (its unit
