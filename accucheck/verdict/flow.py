@@ -44,7 +44,7 @@ import math
 from accucheck.compare.metrics import DTYPE_EPS
 from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.tolerances import loosest_dtype
-from accucheck.keys import RecordKey
+from accucheck.keys import RecordKey, is_layer_block
 from accucheck.verdict.types import RecordLocation
 
 
@@ -165,12 +165,15 @@ class _Group:
             (n.parent.children if n.parent is not None else self.roots).append(n)
 
     def _summed(self, r: RecordDiff, feeders: list[tuple[float, str]]) -> float:
-        """What a container's own code (a decoder layer's residual adds) can pass on to `r`
+        """What a decoder layer's own code (its residual adds) can pass on to `r`
         from its feeders at this step: the sum of their absolute errors, relative to `r`'s
         reference. Where the sum cancels (a late layer's MLP removing the massive activation
         its input carries), the output's relative error is several times every addend's:
         between two correct bf16 runs of SmolLM2, layer 28's output at x4.6 its input and
-        its children, named without it. 0.0 when an error is not known absolutely (stats)."""
+        its children, named without it. Only a decoder layer's own code is a sum of what
+        feeds it: an MLP's input (the norm's output) is at another scale than its output, and
+        its absolute error would hide a fault in the MLP's own code. 0.0 when an error is not
+        known absolutely (stats)."""
         keys = {k for _, k in feeders if k in self.absd}  # this request and step
         own = self.absd.get(str(r.key))
         if own is None or not r.error or any(self.absd[k] is None for k in keys):
@@ -280,7 +283,7 @@ class _Group:
                                                   [x for x in n.outs if x is not r])
                         part += self._earlier_steps(part)
                     inner = max((e for e, _ in part), default=None)
-                    if child is None:
+                    if child is None and is_layer_block(n.module):
                         inner = max(inner or 0.0, self._summed(r, n.feeders + part))
                     feeders += part
                 locs[str(r.key)] = _classify(r, n.input_error, n.input_from, n.input_basis,
