@@ -206,8 +206,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
                 _report(merged, cov)
-                if not cov["ok"]:
-                    raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+                _refuse_gaps(writer, meta, cov, merged, got)
                 complete = True
             finally:
                 writer.close(complete=complete)
@@ -407,6 +406,29 @@ def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
 def _info(by_rank: dict[int, dict]) -> dict:
     """What the lowest attached rank says about the model (modules, classes, buffers)."""
     return next(by_rank[r] for r in sorted(by_rank) if by_rank[r].get("attached"))
+
+
+def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
+                 got: dict[int, dict]) -> None:
+    """The end of a capture: what the workers skipped while generating joins meta
+    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, or
+    when a MoE router recorded no routing at all (`vllm_moe.routing_gap`: the coverage verdict
+    expects only what was recorded at least once, so a routing path accucheck does not tap
+    passed it)."""
+    from accucheck.capture.vllm_moe import routing_gap
+
+    skipped = dict(meta["vllm"]["skipped"])
+    for r in sorted(got):
+        skipped.update({k: v for k, v in (got[r].get("skipped") or {}).items()
+                        if k not in skipped})
+    writer.update_meta(vllm={**meta["vllm"], "skipped": skipped})
+    if not cov["ok"]:
+        raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+    routers = next((g.get("routers") for _r, g in sorted(got.items()) if g.get("attached")),
+                   None) or []
+    gap = routing_gap(routers, {site for *_where, site in merged.seen}, skipped)
+    if gap is not None:
+        raise UserError(f"{gap}; {left_behind(writer)}")
 
 
 def _engine_died(e: BaseException) -> bool:
