@@ -65,7 +65,7 @@ def moe_routers(model: torch.nn.Module, selected: set[str]) -> list[tuple[str, s
     `is_moe_layer`) whose sibling gate (the router logits) is selected."""
     out = []
     for name, mod in model.named_modules():
-        if name.endswith("experts") and is_moe_layer(mod):
+        if name.rsplit(".", 1)[-1] == "experts" and is_moe_layer(mod):
             gate = name[: -len("experts")] + "gate"
             if gate in selected:
                 out.append((name, gate))
