@@ -89,15 +89,7 @@ def test_routing_gap_names_a_router_without_ids():
 
 @pytest.fixture
 def fake_engine(monkeypatch):
-    """vllm.LLM replaced by tests/vllm_fakes.FakeLLM (its worker in this process)."""
-    import vllm
-
-    from accucheck.capture import vllm_runner
-
-    monkeypatch.setattr(vllm, "LLM", fk.FakeLLM)
-    monkeypatch.setattr(vllm_runner, "shutdown", lambda llm: None)
-    monkeypatch.setattr(fk.FakeLLM, "started", [])
-    return fk.FakeLLM
+    return fk.install_engine(monkeypatch)
 
 
 def test_a_moe_capture_without_routing_records_is_refused(fake_engine, tiny_dir, tmp_path,

@@ -284,6 +284,7 @@ class FakeLLM:
     plugin attached (when the capture's environment asks), raw logits drawn at random."""
     make_runner = staticmethod(lambda: Runner(MoEModel("vllm")))
     started: list = []
+    in_worker = False  # True while a worker method runs (the fake device APIs check it)
 
     def __init__(self, **kwargs):
         from accucheck.capture import vllm_plugin as plugin
@@ -295,15 +296,21 @@ class FakeLLM:
             self.runner._accucheck = plugin.Collector(self.runner, cfg)
         self.worker = SimpleNamespace(model_runner=self.runner)
         self.llm_engine = SimpleNamespace(engine_core=None)
+        self.generated = False
         FakeLLM.started.append(self)
 
     def collective_rpc(self, name: str):
         from accucheck.capture import vllm_plugin as plugin
 
         assert name == "accucheck_collect"
-        return [plugin.collect(self.worker)]
+        FakeLLM.in_worker = True
+        try:
+            return [plugin.collect(self.worker)]
+        finally:
+            FakeLLM.in_worker = False
 
     def generate(self, prompts, params, use_tqdm=False):
+        self.generated = True
         rng = np.random.default_rng(0)
         reqs = [(f"r{i}", i, list(p["prompt_token_ids"])) for i, p in enumerate(prompts)]
         n_out = params[0].max_tokens
@@ -323,3 +330,15 @@ class FakeLLM:
                                 outputs=[SimpleNamespace(token_ids=tokens[rid],
                                                          logprobs=_flat(sampled[rid]))])
                 for rid, _i, p in reqs]
+
+
+def install_engine(monkeypatch) -> type[FakeLLM]:
+    """vllm.LLM replaced by FakeLLM for the test (vllm_runner's engine shutdown a no-op)."""
+    import vllm
+
+    from accucheck.capture import vllm_runner
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(vllm_runner, "shutdown", lambda llm: None)
+    monkeypatch.setattr(FakeLLM, "started", [])
+    return FakeLLM

@@ -43,6 +43,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
 from accucheck.capture.stats import to_host
+from accucheck.capture.vllm_facts import worker_facts
 from accucheck.capture.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
 
@@ -467,6 +468,7 @@ class Collector:
                "schedule": self.schedule, "skipped": self.skipped,
                "model_class": type(self.model).__name__, "kinds": self.kinds,
                "routers": [gate for _experts, gate in self.routers],
+               "facts": worker_facts(self.runner),
                "buffers": [f"{n}:{r}.{s}" for n, r, s, _m, _a in self.buffers]}
         self.records, self.errors, self.schedule = [], [], []
         self.weights = None  # sent once

@@ -26,6 +26,7 @@ import numpy as np
 
 import accucheck
 from accucheck.capture import device as dev
+from accucheck.capture import vllm_facts as vf
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
                                    interruptible, left_behind, tokenize_prompts)
 from accucheck.coverage import coverage, coverage_line
@@ -170,6 +171,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
+            vf.refuse_sampler_mode(infos)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
@@ -615,7 +617,9 @@ def check_raw_logits(rows: np.ndarray, what: str) -> None:
     """Refuse rows that are log-probabilities (logsumexp about 0) where raw logits were asked
     (logprobs_mode raw_logits): a platform sampler that ignores the engine's logprobs_mode
     returns them (vllm-ascend's AscendSampler defaults to raw_logprobs). Raw logits whose
-    logsumexp is within 1e-3 of 0 at every position do not happen by chance."""
+    logsumexp is within 1e-3 of 0 at every position do not happen by chance. A sampler that
+    says its mode is refused before generating (vllm_facts.refuse_sampler_mode); this is for
+    one that does not."""
     rows = rows[np.isfinite(rows).all(axis=-1)] if rows.size else rows
     if not rows.size:
         return
