@@ -1,9 +1,11 @@
 """What the vLLM workers report about themselves and what the front end does with it (issue 34),
 through `capture_vllm` on the fake engine of tests/vllm_fakes.py (its worker in this process):
-a sampler that ignores the engine's logprobs_mode is refused before generating."""
+a sampler that ignores the engine's logprobs_mode is refused before generating; the front end
+never asks torch.cuda / torch.npu for device facts (the workers do)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -25,6 +27,14 @@ def _capture(tiny_dir, out, **opts):
     return capture_vllm(tiny_dir, PROMPTS, out, CaptureOptions(max_new_tokens=1, **opts))
 
 
+def _meta(path) -> dict:
+    from accucheck.store import open_capture
+
+    with open_capture(path) as c:
+        assert c.complete
+        return c.meta
+
+
 def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_path,
                                                          monkeypatch):
     """vllm-ascend's AscendSampler is built without the engine's logprobs_mode (raw_logprobs):
@@ -39,3 +49,36 @@ def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_p
         _capture(tiny_dir, out)
     assert e.value.exit_code == 3 and "\n" not in str(e.value)
     assert not engine.started[-1].generated and not out.exists()
+
+
+def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_path,
+                                                       monkeypatch):
+    """--device cuda: torch.cuda's device-name / capability / count calls raise unless a
+    worker method is running (vllm-ascend #10711: the front end initialising the device
+    runtime). The capture's environment has the worker's device facts, and says so. Before:
+    device.fingerprint called torch.cuda.get_device_name in the front end."""
+    from accucheck.capture import vllm_plugin, vllm_runner
+
+    def worker_only(value):
+        def call(*_a, **_k):
+            if not engine.in_worker:
+                raise AssertionError("the front end asked the device")
+            return value
+        return call
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", worker_only("NVIDIA H200 (fake)"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", worker_only((9, 0)))
+    monkeypatch.setattr(torch.cuda, "device_count", worker_only(1))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda _s: None)
+    monkeypatch.setattr(vllm_runner, "_check_platform", lambda spec: None)
+    monkeypatch.setattr(vllm_plugin, "runner_import_error", lambda kind: None)
+
+    def cuda_runner():
+        runner = fk.Runner(fk.MoEModel("vllm"))
+        runner.device = torch.device("cuda", 0)  # what the worker says it runs on
+        return runner
+    monkeypatch.setattr(engine, "make_runner", staticmethod(cuda_runner))
+    env = _meta(_capture(tiny_dir, tmp_path / "x.h5", device="cuda"))["environment"]
+    assert env["device_name"] == "NVIDIA H200 (fake)"
+    assert env["device_capability"] == [9, 0] and env["device_count"] == 1
+    assert env["device_source"] == "vLLM worker rank 0 (cuda:0)"

@@ -1,12 +1,16 @@
-"""What each vLLM worker says about itself, and what the front end does with it: its
-sampler's logprobs mode. Imports accucheck.errors.
+"""What each vLLM worker says about itself, and what the front end does with it: the device it
+runs on and its sampler's logprobs mode. Imports accucheck.capture.device and
+accucheck.errors; torch lazily (worker side).
 
-Why from the workers: the front end is not where the model runs, and the platform's sampler
-may not use the engine's logprobs_mode (vllm-ascend's AscendSampler is built without it and
-defaults to raw_logprobs).
+Why from the workers: the front end is not where the model runs. vLLM's workers are other
+processes (the engine core, one per tensor-parallel rank); asking the device its name in the
+front end initialises the device runtime in a process that is no rank (device.fingerprint);
+and the platform's sampler may not use the engine's logprobs_mode (vllm-ascend's AscendSampler
+is built without it and defaults to raw_logprobs).
 """
 from __future__ import annotations
 
+from accucheck.capture import device as dev
 from accucheck.errors import UserError
 
 WANTED_LOGPROBS_MODE = "raw_logits"  # what vllm_runner asks the engine for
@@ -20,8 +24,21 @@ def _name(value) -> str | int | None:
 
 
 def worker_facts(runner) -> dict:
-    """This worker's facts (JSON-ready): "sampler"."""
-    return {"sampler": sampler_facts(runner)}
+    """This worker's facts (JSON-ready): "device", "sampler"."""
+    device = getattr(runner, "device", None)
+    kind = getattr(device, "type", None) or "cpu"
+    try:
+        facts = dev.device_facts(kind, getattr(device, "index", None))
+    except Exception as e:  # a fact, never a reason to lose the records
+        facts = {"error": f"{type(e).__name__}: {e}"}
+    return {"device": {"device": str(device) if device is not None else None, **facts},
+            "sampler": sampler_facts(runner)}
+
+
+
+
+
+
 
 
 def sampler_facts(runner) -> dict | None:
@@ -47,3 +64,17 @@ def refuse_sampler_mode(infos: dict[int, dict], want: str = WANTED_LOGPROBS_MODE
                             f"logprobs_mode={mode}, not the {want} the capture asked the engine "
                             f"for (vllm-ascend's AscendSampler ignores the engine's "
                             f"logprobs_mode): its logits would not be the model's; refused")
+
+
+
+
+def vllm_environment(environment: dict, infos: dict[int, dict]) -> dict:
+    """The front end's fingerprint (made with query_device=False) with the device facts of
+    the lowest attached rank that reported them, and where they come from."""
+    for r, info in sorted(infos.items()):
+        device = (info.get("facts") or {}).get("device")
+        if info.get("attached") and device:
+            facts = {k: v for k, v in device.items() if k != "device"}
+            return {**environment, **facts, "device_source": f"vLLM worker rank {r} "
+                                                             f"({device.get('device')})"}
+    return environment

@@ -139,7 +139,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         plugin.install()  # the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) patches here
         if (why := plugin.runner_import_error(spec.kind)) is not None:
             raise runner_import_refusal(why)  # not "install accucheck": the real cause
-        environment = dev.fingerprint(spec)
+        environment = dev.fingerprint(spec, query_device=False)  # the workers say (#10711)
         from vllm import LLM, SamplingParams
 
         def params_for(follow):
@@ -173,7 +173,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
             vf.refuse_sampler_mode(infos)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
-                         environment, _info(infos), kwargs,
+                         vf.vllm_environment(environment, infos), _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
                                              tp))
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
