@@ -1,8 +1,12 @@
 """What the vLLM workers report about themselves and what the front end does with it (issue 34),
 through `capture_vllm` on the fake engine of tests/vllm_fakes.py (its worker in this process):
 a sampler that ignores the engine's logprobs_mode is refused before generating; the front end
-never asks torch.cuda / torch.npu for device facts (the workers do)."""
+never asks torch.cuda / torch.npu for device facts (the workers do); each worker's determinism
+switches, compile / graph state and attention backend land in meta "workers"."""
 from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from accucheck.capture.api import CaptureOptions  # noqa: E402
 from accucheck.errors import UserError  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+CompilationMode = enum.Enum("CompilationMode", "NONE VLLM_COMPILE")
+CUDAGraphMode = enum.Enum("CUDAGraphMode", "NONE PIECEWISE FULL_AND_PIECEWISE")
 
 
 @pytest.fixture
@@ -51,6 +57,11 @@ def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_p
     assert not engine.started[-1].generated and not out.exists()
 
 
+def test_a_sampler_in_raw_logits_mode_is_recorded(engine, tiny_dir, tmp_path):
+    meta = _meta(_capture(tiny_dir, tmp_path / "x.h5"))
+    assert meta["workers"]["0"]["sampler"] == {"class": "Sampler", "logprobs_mode": "raw_logits"}
+
+
 def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_path,
                                                        monkeypatch):
     """--device cuda: torch.cuda's device-name / capability / count calls raise unless a
@@ -82,3 +93,45 @@ def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_pat
     assert env["device_name"] == "NVIDIA H200 (fake)"
     assert env["device_capability"] == [9, 0] and env["device_count"] == 1
     assert env["device_source"] == "vLLM worker rank 0 (cuda:0)"
+
+
+def test_each_worker_reports_its_determinism_and_compile_state(engine, tiny_dir, tmp_path,
+                                                               monkeypatch):
+    """meta "workers": the deterministic variables the worker sees, torch's deterministic
+    flag there, the compilation mode, cudagraph mode and backend of the engine's config, the
+    attention backend the runner built. Before: meta held the front end's settings only."""
+    monkeypatch.setenv("HCCL_DETERMINISTIC", "true")
+    monkeypatch.setenv("ATB_MATMUL_SHUFFLE_K_ENABLE", "0")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+
+    def runner():
+        r = fk.Runner(fk.MoEModel("vllm"), config=fk.vllm_config(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+            backend="inductor"))
+        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+        r.attn_groups = [[SimpleNamespace(backend=backend)]]
+        return r
+    monkeypatch.setattr(engine, "make_runner", staticmethod(runner))
+    w = _meta(_capture(tiny_dir, tmp_path / "x.h5"))["workers"]["0"]
+    assert w["determinism"]["env"] == {"HCCL_DETERMINISTIC": "true",
+                                       "ATB_MATMUL_SHUFFLE_K_ENABLE": "0"}
+    assert w["determinism"]["torch.are_deterministic_algorithms_enabled"] is \
+        torch.are_deterministic_algorithms_enabled()
+    assert {k: w["compilation"][k] for k in ("mode", "cudagraph_mode", "backend",
+                                             "attention_backend")} == {
+        "mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", "backend": "inductor",
+        "attention_backend": ["CPU_ATTN"]}
+    assert w["device"]["device"] == "cpu"
+
+
+def test_compile_facts_of_an_older_vllm_and_a_configured_backend():
+    """vLLM before 0.11 says `level`, not `mode`; without built attention groups the
+    configured attention backend is reported; nothing reachable: None."""
+    from accucheck.capture.vllm_facts import compilation_facts
+
+    config = fk.vllm_config(level=3)
+    config.attention_config = SimpleNamespace(backend="FLASH_ATTN")
+    facts = compilation_facts(SimpleNamespace(vllm_config=config))
+    assert facts["level"] == 3 and facts["mode"] is None
+    assert facts["attention_backend"] == ["FLASH_ATTN"]
+    assert compilation_facts(SimpleNamespace())["attention_backend"] is None

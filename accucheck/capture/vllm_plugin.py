@@ -210,8 +210,10 @@ def _wrap_load_model(orig):
 
 
 def collect(worker) -> dict:
-    """This worker's records (drained, in wire form: see `Record.to_wire`) and what it
-    recorded. Called through `CaptureWorker.accucheck_collect` by `LLM.collective_rpc`."""
+    """This worker's records (drained, in wire form: see `Record.to_wire`), what it recorded
+    and what it is ("facts": device, determinism, compile state, sampler mode:
+    accucheck.capture.vllm_facts). Called through `CaptureWorker.accucheck_collect` by
+    `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
     if col is None:

@@ -176,6 +176,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                          vf.vllm_environment(environment, infos), _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
                                              tp))
+            meta["workers"] = vf.workers_meta(infos)
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
