@@ -185,9 +185,15 @@ def transfer_note(spec: DeviceSpec | None) -> str | None:
             "capture with --device npu")
 
 
-def fingerprint(spec: DeviceSpec | None = None) -> dict:
+def fingerprint(spec: DeviceSpec | None = None, query_device: bool = True) -> dict:
     """What this machine is: versions, device name, numerics-relevant environment variables,
-    and `transfer_note` ("device_note") when --device cuda is an NPU."""
+    and `transfer_note` ("device_note") when --device cuda is an NPU.
+
+    query_device=False leaves the device facts out (`device_facts`): the vLLM front end, where
+    asking torch.cuda / torch.npu for a device name initialises the device runtime in a
+    process that is no engine rank (vllm-ascend #10711: before data-parallel ranks bind their
+    devices; on CUDA a context holding GPU memory for the whole capture); the vLLM workers
+    report them instead."""
     env = {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
     fp = {
@@ -206,20 +212,27 @@ def fingerprint(spec: DeviceSpec | None = None) -> dict:
 
         fp["torch_threads"] = torch.get_num_threads()
         fp["cuda_runtime"] = torch.version.cuda
-        if spec.kind == "cuda" and torch.cuda.is_available():
-            i = spec.index or 0
-            fp["device_name"] = torch.cuda.get_device_name(i)
-            fp["device_count"] = torch.cuda.device_count()
-            fp["device_capability"] = list(torch.cuda.get_device_capability(i))
-            fp["cuda_driver"] = _nvidia_driver()
-        elif spec.kind == "npu" and hasattr(torch, "npu"):
-            i = spec.index or 0
-            fp["device_name"] = torch.npu.get_device_name(i)
-            fp["device_count"] = torch.npu.device_count()
-        else:
-            fp["device_name"] = platform.processor() or platform.machine()
-            fp["device_count"] = 1
+        if query_device:
+            fp.update(device_facts(spec.kind, spec.index))
     return fp
+
+
+def device_facts(kind: str, index: int | None = None) -> dict:
+    """Name, count (and on CUDA capability and driver) of device `index` of `kind` ("cpu",
+    "cuda", "npu"), asked of torch in this process: initialises the device runtime, so only
+    where the device is used anyway (the HF runner, a vLLM worker)."""
+    import torch
+
+    i = index or 0
+    if kind == "cuda" and torch.cuda.is_available():
+        return {"device_name": torch.cuda.get_device_name(i),
+                "device_count": torch.cuda.device_count(),
+                "device_capability": list(torch.cuda.get_device_capability(i)),
+                "cuda_driver": _nvidia_driver()}
+    if kind == "npu" and hasattr(torch, "npu"):
+        return {"device_name": torch.npu.get_device_name(i),
+                "device_count": torch.npu.device_count()}
+    return {"device_name": platform.processor() or platform.machine(), "device_count": 1}
 
 
 def _nvidia_driver() -> str | None:

@@ -43,6 +43,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
 from accucheck.capture.stats import to_host
+from accucheck.capture.vllm_facts import worker_facts
+from accucheck.capture.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
 
 ENV = "ACCUCHECK_VLLM_CAPTURE"
@@ -208,8 +210,10 @@ def _wrap_load_model(orig):
 
 
 def collect(worker) -> dict:
-    """This worker's records (drained, in wire form: see `Record.to_wire`) and what it
-    recorded. Called through `CaptureWorker.accucheck_collect` by `LLM.collective_rpc`."""
+    """This worker's records (drained, in wire form: see `Record.to_wire`), what it recorded
+    and what it is ("facts": device, determinism, compile state, sampler mode:
+    accucheck.capture.vllm_facts). Called through `CaptureWorker.accucheck_collect` by
+    `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
     if col is None:
@@ -326,22 +330,13 @@ class Collector:
             self.handles.append(mod.register_forward_hook(make(name, "out")))
 
     def _install_routing_hooks(self, by_name) -> None:
-        """Eager: each fused MoE layer's `router.select_experts` (top-k weights, expert ids)
-        recorded as its gate's slots "1" and "2", the router logits being the gate's slot "0":
-        the keys of a transformers capture (accucheck.capture.moe)."""
-        captured, active, calls = self._captured, self._active, self._calls
-        for experts, gate in self.routers:
-            router = by_name[experts].router
-            orig = router.select_experts
-
-            def select(*args, _orig=orig, _gate=gate, **kwargs):
-                weights, ids = _orig(*args, **kwargs)
-                if active[0]:
-                    call = max(calls.get((_gate, "out"), 1) - 1, 0)
-                    captured.append((_gate, "out", call, "1", weights.detach().clone()))
-                    captured.append((_gate, "out", call, "2", ids.detach().clone()))
-                return weights, ids
-            router.select_experts = select
+        """Eager: each fused MoE layer's routing recorded as its gate's slots "1" and "2" (and
+        "0" when the gate module does not run), wherever vLLM / vllm-ascend route
+        (accucheck.capture.vllm_moe): the keys of a transformers capture."""
+        taps = RoutingTaps(by_name, self.routers, self._captured, self._active, self._calls,
+                           self.skipped)
+        taps.install()
+        self.handles += taps.handles
 
     def _install_graph_hooks(self, by_name) -> None:
         """Discover each hooked output's structure with one eager dummy forward, then give
@@ -474,6 +469,8 @@ class Collector:
                "errors": self.errors,
                "schedule": self.schedule, "skipped": self.skipped,
                "model_class": type(self.model).__name__, "kinds": self.kinds,
+               "routers": [gate for _experts, gate in self.routers],
+               "facts": worker_facts(self.runner),
                "buffers": [f"{n}:{r}.{s}" for n, r, s, _m, _a in self.buffers]}
         self.records, self.errors, self.schedule = [], [], []
         self.weights = None  # sent once
@@ -681,19 +678,6 @@ def plant_test_fault(runner, by_name: dict, fault: dict) -> None:
         runner.execute_model = execute_model
         on_output(fault["batch_bf16"],
                   lambda x: x.to(torch.bfloat16).to(x.dtype) if seqs[0] > 1 else x)
-
-
-def moe_routers(model: torch.nn.Module, selected: set[str]) -> list[tuple[str, str]]:
-    """(experts path, gate path) of every fused MoE layer (a module `….experts` with a
-    `router.select_experts`) whose sibling gate (the router logits) is selected."""
-    out = []
-    for name, mod in model.named_modules():
-        router = getattr(mod, "router", None)
-        if name.endswith("experts") and callable(getattr(router, "select_experts", None)):
-            gate = name[: -len("experts")] + "gate"
-            if gate in selected:
-                out.append((name, gate))
-    return out
 
 
 def _hf_equivalent(items, s0: int, cnt: int, routers: set[str] = frozenset()):

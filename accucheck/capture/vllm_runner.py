@@ -26,6 +26,7 @@ import numpy as np
 
 import accucheck
 from accucheck.capture import device as dev
+from accucheck.capture import vllm_facts as vf
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
                                    interruptible, left_behind, tokenize_prompts)
 from accucheck.coverage import coverage, coverage_line
@@ -138,7 +139,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         plugin.install()  # the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) patches here
         if (why := plugin.runner_import_error(spec.kind)) is not None:
             raise runner_import_refusal(why)  # not "install accucheck": the real cause
-        environment = dev.fingerprint(spec)
+        environment = dev.fingerprint(spec, query_device=False)  # the workers say (#10711)
         from vllm import LLM, SamplingParams
 
         def params_for(follow):
@@ -170,10 +171,12 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
+            vf.refuse_sampler_mode(infos)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
-                         environment, _info(infos), kwargs,
+                         vf.vllm_environment(environment, infos), _info(infos), kwargs,
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
                                              tp))
+            meta["workers"] = vf.workers_meta(infos)
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
@@ -206,8 +209,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
                 _report(merged, cov)
-                if not cov["ok"]:
-                    raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+                _refuse_gaps(writer, meta, cov, merged, got)
                 complete = True
             finally:
                 writer.close(complete=complete)
@@ -409,6 +411,29 @@ def _info(by_rank: dict[int, dict]) -> dict:
     return next(by_rank[r] for r in sorted(by_rank) if by_rank[r].get("attached"))
 
 
+def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
+                 got: dict[int, dict]) -> None:
+    """The end of a capture: what the workers skipped while generating joins meta
+    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, or
+    when a MoE router recorded no routing at all (`vllm_moe.routing_gap`: the coverage verdict
+    expects only what was recorded at least once, so a routing path accucheck does not tap
+    passed it)."""
+    from accucheck.capture.vllm_moe import routing_gap
+
+    skipped = dict(meta["vllm"]["skipped"])
+    for r in sorted(got):
+        skipped.update({k: v for k, v in (got[r].get("skipped") or {}).items()
+                        if k not in skipped})
+    writer.update_meta(vllm={**meta["vllm"], "skipped": skipped})
+    if not cov["ok"]:
+        raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+    routers = next((g.get("routers") for _r, g in sorted(got.items()) if g.get("attached")),
+                   None) or []
+    gap = routing_gap(routers, {site for *_where, site in merged.seen}, skipped)
+    if gap is not None:
+        raise UserError(f"{gap}; {left_behind(writer)}")
+
+
 def _engine_died(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
     return "EngineDeadError" in names or "died" in str(e).lower()
@@ -593,7 +618,9 @@ def check_raw_logits(rows: np.ndarray, what: str) -> None:
     """Refuse rows that are log-probabilities (logsumexp about 0) where raw logits were asked
     (logprobs_mode raw_logits): a platform sampler that ignores the engine's logprobs_mode
     returns them (vllm-ascend's AscendSampler defaults to raw_logprobs). Raw logits whose
-    logsumexp is within 1e-3 of 0 at every position do not happen by chance."""
+    logsumexp is within 1e-3 of 0 at every position do not happen by chance. A sampler that
+    says its mode is refused before generating (vllm_facts.refuse_sampler_mode); this is for
+    one that does not."""
     rows = rows[np.isfinite(rows).all(axis=-1)] if rows.size else rows
     if not rows.size:
         return

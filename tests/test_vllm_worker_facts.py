@@ -1,0 +1,137 @@
+"""What the vLLM workers report about themselves and what the front end does with it (issue 34),
+through `capture_vllm` on the fake engine of tests/vllm_fakes.py (its worker in this process):
+a sampler that ignores the engine's logprobs_mode is refused before generating; the front end
+never asks torch.cuda / torch.npu for device facts (the workers do); each worker's determinism
+switches, compile / graph state and attention backend land in meta "workers"."""
+from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import vllm_fakes as fk  # noqa: E402
+from accucheck.capture.api import CaptureOptions  # noqa: E402
+from accucheck.errors import UserError  # noqa: E402
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+CompilationMode = enum.Enum("CompilationMode", "NONE VLLM_COMPILE")
+CUDAGraphMode = enum.Enum("CUDAGraphMode", "NONE PIECEWISE FULL_AND_PIECEWISE")
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    return fk.install_engine(monkeypatch)
+
+
+def _capture(tiny_dir, out, **opts):
+    from accucheck.capture.vllm_runner import capture_vllm
+
+    return capture_vllm(tiny_dir, PROMPTS, out, CaptureOptions(max_new_tokens=1, **opts))
+
+
+def _meta(path) -> dict:
+    from accucheck.store import open_capture
+
+    with open_capture(path) as c:
+        assert c.complete
+        return c.meta
+
+
+def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_path,
+                                                         monkeypatch):
+    """vllm-ascend's AscendSampler is built without the engine's logprobs_mode (raw_logprobs):
+    one line naming the class and the mode, exit 3, before generating, no file. Before: the
+    engine generated, and only the check of the returned rows (logsumexp about 0) could
+    refuse them afterwards, without naming the sampler (the fake's rows are raw: it passes)."""
+    monkeypatch.setattr(engine, "make_runner", staticmethod(lambda: fk.Runner(
+        fk.MoEModel("vllm"), sampler=fk.AscendSampler("raw_logprobs"))))
+    out = tmp_path / "x.h5"
+    with pytest.raises(UserError, match="rank 0's sampler AscendSampler computes "
+                                        "logprobs_mode=raw_logprobs, not the raw_logits") as e:
+        _capture(tiny_dir, out)
+    assert e.value.exit_code == 3 and "\n" not in str(e.value)
+    assert not engine.started[-1].generated and not out.exists()
+
+
+def test_a_sampler_in_raw_logits_mode_is_recorded(engine, tiny_dir, tmp_path):
+    meta = _meta(_capture(tiny_dir, tmp_path / "x.h5"))
+    assert meta["workers"]["0"]["sampler"] == {"class": "Sampler", "logprobs_mode": "raw_logits"}
+
+
+def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_path,
+                                                       monkeypatch):
+    """--device cuda: torch.cuda's device-name / capability / count calls raise unless a
+    worker method is running (vllm-ascend #10711: the front end initialising the device
+    runtime). The capture's environment has the worker's device facts, and says so. Before:
+    device.fingerprint called torch.cuda.get_device_name in the front end."""
+    from accucheck.capture import vllm_plugin, vllm_runner
+
+    def worker_only(value):
+        def call(*_a, **_k):
+            if not engine.in_worker:
+                raise AssertionError("the front end asked the device")
+            return value
+        return call
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", worker_only("NVIDIA H200 (fake)"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", worker_only((9, 0)))
+    monkeypatch.setattr(torch.cuda, "device_count", worker_only(1))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda _s: None)
+    monkeypatch.setattr(vllm_runner, "_check_platform", lambda spec: None)
+    monkeypatch.setattr(vllm_plugin, "runner_import_error", lambda kind: None)
+
+    def cuda_runner():
+        runner = fk.Runner(fk.MoEModel("vllm"))
+        runner.device = torch.device("cuda", 0)  # what the worker says it runs on
+        return runner
+    monkeypatch.setattr(engine, "make_runner", staticmethod(cuda_runner))
+    env = _meta(_capture(tiny_dir, tmp_path / "x.h5", device="cuda"))["environment"]
+    assert env["device_name"] == "NVIDIA H200 (fake)"
+    assert env["device_capability"] == [9, 0] and env["device_count"] == 1
+    assert env["device_source"] == "vLLM worker rank 0 (cuda:0)"
+
+
+def test_each_worker_reports_its_determinism_and_compile_state(engine, tiny_dir, tmp_path,
+                                                               monkeypatch):
+    """meta "workers": the deterministic variables the worker sees, torch's deterministic
+    flag there, the compilation mode, cudagraph mode and backend of the engine's config, the
+    attention backend the runner built. Before: meta held the front end's settings only."""
+    monkeypatch.setenv("HCCL_DETERMINISTIC", "true")
+    monkeypatch.setenv("ATB_MATMUL_SHUFFLE_K_ENABLE", "0")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+
+    def runner():
+        r = fk.Runner(fk.MoEModel("vllm"), config=fk.vllm_config(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+            backend="inductor"))
+        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+        r.attn_groups = [[SimpleNamespace(backend=backend)]]
+        return r
+    monkeypatch.setattr(engine, "make_runner", staticmethod(runner))
+    w = _meta(_capture(tiny_dir, tmp_path / "x.h5"))["workers"]["0"]
+    assert w["determinism"]["env"] == {"HCCL_DETERMINISTIC": "true",
+                                       "ATB_MATMUL_SHUFFLE_K_ENABLE": "0"}
+    assert w["determinism"]["torch.are_deterministic_algorithms_enabled"] is \
+        torch.are_deterministic_algorithms_enabled()
+    assert {k: w["compilation"][k] for k in ("mode", "cudagraph_mode", "backend",
+                                             "attention_backend")} == {
+        "mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", "backend": "inductor",
+        "attention_backend": ["CPU_ATTN"]}
+    assert w["device"]["device"] == "cpu"
+
+
+def test_compile_facts_of_an_older_vllm_and_a_configured_backend():
+    """vLLM before 0.11 says `level`, not `mode`; without built attention groups the
+    configured attention backend is reported; nothing reachable: None."""
+    from accucheck.capture.vllm_facts import compilation_facts
+
+    config = fk.vllm_config(level=3)
+    config.attention_config = SimpleNamespace(backend="FLASH_ATTN")
+    facts = compilation_facts(SimpleNamespace(vllm_config=config))
+    assert facts["level"] == 3 and facts["mode"] is None
+    assert facts["attention_backend"] == ["FLASH_ATTN"]
+    assert compilation_facts(SimpleNamespace())["attention_backend"] is None
