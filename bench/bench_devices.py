@@ -4,7 +4,8 @@ npu, mixed, dither), each store mode, with and without a control. Not a test: it
 table of docs/control.md ("Correct devices").
 
     python bench/bench_devices.py [--pairs 12] [--first-pair 0] [--devices gpu,npu,mixed,dither]
-        [--stores stats,full] [--faults | --only-faults] [--json rows.json]
+        [--stores stats,full] [--faults | --only-faults] [--fault-layers 4,14,24]
+        [--strengths 0.5,1.25,2,4] [--json rows.json]
 
 Clean pairs: pair k (--prompts-per-pair prompts, default 2, of a pool of 48 with prefixed
 variants once it is used up; 2 decode steps) captured as
@@ -92,8 +93,10 @@ class Runs:
             return path
         t = time.perf_counter()
         tmp = path.with_suffix(f".{os.getpid()}.tmp.h5")  # processes may share --work
-        with (emulated(self.model, device, seed) if device else nullcontext()), \
-                (plant(self.model, *planted) if planted else nullcontext()):
+        # the fault first: its hook then runs after the emulated device's (hooks are prepended),
+        # so a faulty norm kernel replaces the device's fused one instead of being replaced
+        with (plant(self.model, *planted) if planted else nullcontext()), \
+                (emulated(self.model, device, seed) if device else nullcontext()):
             capture_model(self.model, prompts, tmp, tokenizer=self.tok, store=store,
                           max_new_tokens=STEPS, dtype=dtype, include=include, force=True,
                           tokens_from=str(ref) if ref is not None else None)
@@ -158,7 +161,8 @@ def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
 
 
 def fault_rows(runs: Runs, devices: list[str], stores: list[str],
-               layers: tuple[int, ...] = FAULT_LAYERS) -> list[dict]:
+               layers: tuple[int, ...] = FAULT_LAYERS,
+               strengths: tuple[float, ...] = STRENGTHS) -> list[dict]:
     """Graded faults (tests/planting.py) of every kind at `layers` (rotary: once), planted
     inside each emulated device, in each store mode, judged without and with one control."""
     prompts = POOL[:4]
@@ -170,7 +174,7 @@ def fault_rows(runs: Runs, devices: list[str], stores: list[str],
     for kind, layer in [(k, ly) for k in FAULT_KINDS for ly in layers] + [("rotary", 0)]:
         _, site, expect = fault(kind, layer, 0.0)
         noise = natural_noise(full, ctls["full"], site)
-        for s in STRENGTHS:
+        for s in strengths:
             def calibration(name, planted, include):
                 return runs.capture(name, prompts, "full", dtype="float32", planted=planted,
                                     include=include)
@@ -234,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stores", default="stats,full")
     ap.add_argument("--faults", action="store_true", help="also the graded faults")
     ap.add_argument("--only-faults", action="store_true", help="the graded faults alone")
+    ap.add_argument("--fault-layers", default=",".join(map(str, FAULT_LAYERS)))
+    ap.add_argument("--strengths", default=",".join(map(str, STRENGTHS)))
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     runs = Runs(args.work)
@@ -243,7 +249,10 @@ def main(argv=None) -> int:
     stores = args.stores.split(",")
     clean = [] if args.only_faults else clean_rows(runs, pairs, devices, stores,
                                                    args.prompts_per_pair)
-    faulty = fault_rows(runs, devices, stores) if args.faults or args.only_faults else []
+    faulty = fault_rows(runs, devices, stores,
+                        tuple(int(x) for x in args.fault_layers.split(",")),
+                        tuple(float(x) for x in args.strengths.split(","))) \
+        if args.faults or args.only_faults else []
     print(table(clean, faulty))
     print(f"\n{runs.made} captures made ({runs.seconds:.0f} s), total "
           f"{time.perf_counter() - t0:.0f} s")

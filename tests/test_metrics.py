@@ -381,6 +381,23 @@ def test_logits_metrics():
     assert M.logit_noise(ref, cand)[1] == pytest.approx(float(np.std(d)), rel=1e-12)
 
 
+def test_logit_noise_is_measured_where_a_flip_happens_at_the_top_logits():
+    """Rounding errors scale with the logit: a row whose error sits at its largest logits has
+    the noise of its top logits, not the vocabulary's (which the many small logits dilute)."""
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(1, 1000))
+    d = 1e-3 * rng.normal(size=(1, 1000))
+    top = np.argsort(ref[0])[-M.LOGIT_NOISE_TOP:]
+    d[0, top] = 0.1 * np.where(np.arange(len(top)) % 2 == 0, 1.0, -1.0)
+    d -= d.mean()
+    noise = float(M.logit_noise(ref, ref + d + 7.0)[0])   # the shift is no error
+    assert noise == pytest.approx(0.1, rel=0.02)
+    assert noise > 3 * float(np.std(d))                    # the vocabulary's spread is far less
+    # spread evenly, the vocabulary's spread is the noise
+    flat = 0.05 * rng.normal(size=(1, 1000))
+    assert float(M.logit_noise(ref, ref + flat)[0]) == pytest.approx(float(np.std(flat)), rel=0.2)
+
+
 def test_metrics_module_is_pure():
     import ast
     import inspect

@@ -94,11 +94,13 @@ CONTROL_ERROR_FLOOR = 0.01
 # least this fraction of its own threshold is named as the origin (verdict.noise)
 CONTROL_ORIGIN = 0.9
 # A token flip is a near-tie when the reference's top-1 / top-2 margin is at most this many
-# times the logit noise (the std over the vocabulary of cand - ref at that position): the flip
-# needs d(top-2) - d(top-1) > margin, whose spread is sqrt(2) x the noise and larger at the top
-# logits (bf16 errors scale with the logit). Measured: two correct bf16 devices (emulated gpu,
-# npu, mixed, dither against a float32 reference, bench/bench_devices.py) flipped SmolLM2's
-# first token at margin 0.118 against noise 0.055-0.105 (x1.1-x2.1): "real" at x1 before.
+# times the logit noise (compare.metrics.logit_noise: the spread of cand - ref at that
+# position, over the vocabulary or over its top logits, whichever is larger): the flip needs
+# d(top-2) - d(top-1) > margin, whose spread is sqrt(2) x the noise. Measured: two correct bf16
+# devices (emulated gpu, npu, mixed, dither against a float32 reference,
+# bench/bench_devices.py) flipped SmolLM2's first token at margin 0.118 against noise
+# 0.055-0.105 (x1.1-x2.1): "real" at x1 before; a dithered one flipped a decode token at
+# margin 0.377, x3.4 the vocabulary's spread, x2.2 the top-32 logits' (taken since).
 NEAR_TIE_FACTOR = 3.0
 NOISE_FLOOR_MIN_FRACTION = 0.05
 NOISE_FLOOR_MIN_PEERS = 3
