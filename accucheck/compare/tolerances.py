@@ -93,6 +93,11 @@ CONTROL_ERROR_FLOOR = 0.01
 # a site upstream of the first one more than noise, in its layer, that feeds it and stands at
 # least this fraction of its own threshold is named as the origin (verdict.noise)
 CONTROL_ORIGIN = 0.9
+# ... and this fraction where the site's errors are sampled estimates (stats store): a SiLU fault
+# inside the npu device at x2 its noise stood at 0.88 of its threshold (its estimates vary
+# more), the down_proj it feeds over its own, and the down_proj was named; of down_proj faults,
+# the act_fn of their layer stood at 0.33-0.61 of it (bench/bench_devices.py)
+CONTROL_ORIGIN_ESTIMATED = 0.8
 # A token flip is a near-tie when the reference's top-1 / top-2 margin is at most this many
 # times the logit noise (compare.metrics.logit_noise: the spread of cand - ref at that
 # position, over the vocabulary or over its top logits, whichever is larger): the flip needs

@@ -15,7 +15,7 @@ from typing import Any
 
 from accucheck.compare.results import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
-from accucheck.compare.tolerances import (CONTROL_ORIGIN, NEAR_TIE_FACTOR, PEER_GATE,
+from accucheck.compare.tolerances import (NEAR_TIE_FACTOR, PEER_GATE,
                                           loosest_dtype)
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
@@ -209,7 +209,7 @@ def _control_line(a: Analysis, weaker: str) -> str:
             o = noise.lead_of
             return (f"FAIL: more than noise from {_where(fd)}{made}: excess x{_g(s.excess)} "
                     f"over the site's {s.records} records, within "
-                    f"{100 * (1 - CONTROL_ORIGIN):.0f} % of its threshold x{_g(s.threshold)}, "
+                    f"{100 * (1 - s.origin):.0f} % of its threshold x{_g(s.threshold)}, "
                     f"and it feeds {o.site}, more than noise (x{_g(o.excess)} > "
                     f"x{_g(o.threshold)}), in its layer -> introduced here (the origin)"
                     f"{weaker}")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from accucheck.compare.results import RecordDiff
 from accucheck.compare.opmatch import op_ident
 from accucheck.compare.routing import flip_line
-from accucheck.compare.tolerances import CONTROL_ORIGIN
 from accucheck.keys import RecordKey, split_rank
 from accucheck.verdict.types import Located, RecordLocation
 
@@ -234,7 +233,7 @@ def culprit_lines(c: Culprit) -> list[str]:
                      f"x{g(c.threshold)})")
     if c.origin_of is not None:
         lines.append(f"  the origin of {c.origin_of}, more than noise downstream in its layer: "
-                     f"this site feeds it and stands within {100 * (1 - CONTROL_ORIGIN):.0f} % of "
+                     f"this site feeds it and stands at {100 * c.excess / c.threshold:.0f} % of "
                      f"its own threshold (excess "
                      f"is not conserved through a layer; the site that runs first is named)")
     if c.op is not None and c.module_error is not None:

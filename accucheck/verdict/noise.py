@@ -37,7 +37,8 @@ every record. The candidate is compared with it record by record:
 Named: the flagged site's first record, in execution order, whose own excess is over the
 site's threshold (else its largest). The first flagged site in the forward pass (where the site
 first runs, not where its named record is), or its origin (`origin`: the earliest site of its
-layer that feeds it and stands within CONTROL_ORIGIN of its own threshold), is the first
+layer that feeds it and stands within CONTROL_ORIGIN of its own threshold, or
+CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates), is the first
 divergence (`NoiseVerdict.lead`); the
 dtype tolerance then does not decide (the control answers "more than noise?"; a golden
 answers "who is closer to the truth?"; the tolerance table is the fallback without either).
@@ -51,7 +52,6 @@ from accucheck.compare.results import ESTIMATED, DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
                                           CONTROL_MIN_RATIO, CONTROL_MIN_RATIO_ESTIMATED,
-                                          CONTROL_ORIGIN,
                                           CONTROL_PEERLESS_SPREAD, CONTROL_SPREAD_FLOOR,
                                           CONTROL_WINDOW, CONTROL_Z)
 from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind
@@ -138,7 +138,8 @@ def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocat
            place: dict[str, tuple[int, int, int]]) -> NoiseSite:
     """The site named for the first site more than noise: itself, or the earliest site of its
     layer that feeds it (verdict.flow's feeders, followed back within the layer) and stands
-    within CONTROL_ORIGIN of its own threshold. Excess is not conserved through a layer: a
+    within its `origin` fraction of its own threshold (NoiseSite.origin: CONTROL_ORIGIN, or
+    CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates). Excess is not conserved through a layer: a
     faulty RMSNorm's error can stand out more at the Linear it feeds than at its own output,
     against each one's noise, so the Linear crosses its threshold first; naming it would blame
     the module downstream of the fault (measured: bench/bench_control.py, docs/control.md)."""
@@ -159,7 +160,7 @@ def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocat
                 continue
             todo.append(f)
             s = by_site.get(fk.site)
-            if s is not None and s.excess >= CONTROL_ORIGIN * s.threshold \
+            if s is not None and s.excess >= s.origin * s.threshold \
                     and place[s.site] < place[first.site]:
                 found.append(s)
     return min(found, key=lambda s: place[s.site]) if found else first

@@ -16,7 +16,9 @@ from typing import Protocol
 from accucheck.compare.results import DiffResult
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.routing import RoutingFlip
-from accucheck.compare.tolerances import CONTROL_MIN_RATIO, CONTROL_Z, PEER_GATE
+from accucheck.compare.tolerances import (CONTROL_MIN_RATIO, CONTROL_MIN_RATIO_ESTIMATED,
+                                          CONTROL_ORIGIN, CONTROL_ORIGIN_ESTIMATED, CONTROL_Z,
+                                          PEER_GATE)
 from accucheck.keys import RecordKey
 
 INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
@@ -189,6 +191,13 @@ class NoiseSite:
         """The excess above which this site is more than noise."""
         return max(math.exp(self.location + CONTROL_Z * self.spread), self.min_ratio)
 
+    @property
+    def origin(self) -> float:
+        """The fraction of its threshold at which this site is the origin of a site more than
+        noise that it feeds (verdict.noise.origin): wider where its errors are estimates."""
+        return CONTROL_ORIGIN_ESTIMATED if self.min_ratio >= CONTROL_MIN_RATIO_ESTIMATED \
+            else CONTROL_ORIGIN
+
 
 @dataclass(frozen=True)
 class NoiseVerdict:
@@ -197,7 +206,7 @@ class NoiseVerdict:
     sites: tuple[NoiseSite, ...]         # largest z first
     flagged: tuple[NoiseSite, ...]       # forward-pass order of the sites
     # the divergence: flagged[0], or the site upstream of it in its layer that feeds it and is
-    # within CONTROL_ORIGIN of its own threshold (verdict.noise, "origin"); None: nothing flagged
+    # within its `origin` fraction of its own threshold (verdict.noise, "origin"); None: nothing flagged
     lead: NoiseSite | None = None
     lead_of: NoiseSite | None = None     # the flagged site `lead` is the origin of, if another
 
