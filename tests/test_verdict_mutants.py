@@ -626,20 +626,21 @@ def test_a_node_is_ordered_by_its_last_output():
 def test_introduced_is_error_minus_explained_never_negative():
     d = D().add("r0.s0:m.c#0:out.0", 5e-3)          # first record: nothing feeds it
     d.add("r0.s0:m#0:out.0", 3e-2)                  # container, no input: inner 5e-3
-    d.add("r0.s0:n#0:in.0", 4e-3).add("r0.s0:n.c#0:out.0", 2e-3, src={"0": "m#0:out.0"})
-    d.add("r0.s0:n#0:out.0", 1e-1)                  # input 4e-3, inner 4e-3 + 2e-3 (summed)
-    d.add("r0.s0:k#0:in.0", 1e-3).add("r0.s0:k.c#0:out.0", 9e-2, src={"0": "n#0:out.0"})
-    d.add("r0.s0:k#0:out.0", 5e-1)                  # input 1e-3 < inner 9e-2 + 1e-3
+    L1 = "model.layers.1"
+    d.add(f"r0.s0:{L1}#0:in.0", 4e-3).add(f"r0.s0:{L1}.c#0:out.0", 2e-3, src={"0": "m#0:out.0"})
+    d.add(f"r0.s0:{L1}#0:out.0", 1e-1)  # a decoder layer: inner 4e-3 + 2e-3 (summed)
+    d.add("r0.s0:k#0:in.0", 1e-3).add("r0.s0:k.c#0:out.0", 9e-2, src={"0": f"{L1}#0:out.0"})
+    d.add("r0.s0:k#0:out.0", 5e-1)                  # not a layer: inner 9e-2, its child's
     d.add("r0.s0:z#0:out.0", 1e-3, src={"0": "k#0:out.0"})   # below what feeds it
     locs = _locs(d.locate())
     got = {k.split(":")[1]: (x.input_error, x.inner_error, x.introduced)
            for k, x in locs.items() if ":out." in k}
     assert got["m.c#0"] == (None, None, 5e-3)
     assert got["m#0"] == (None, 5e-3, pytest.approx(3e-2 - 5e-3, rel=1e-12))
-    assert got["n#0"][0] == 4e-3 and got["n#0"][1] == pytest.approx(6e-3, rel=1e-12)
-    assert got["n#0"][2] == pytest.approx(1e-1 - 6e-3, rel=1e-12)
-    assert got["k#0"][:2] == (1e-3, pytest.approx(9.1e-2, rel=1e-12))
-    assert got["k#0"][2] == pytest.approx(5e-1 - 9.1e-2, rel=1e-12)
+    assert got[f"{L1}#0"][0] == 4e-3 and got[f"{L1}#0"][1] == pytest.approx(6e-3, rel=1e-12)
+    assert got[f"{L1}#0"][2] == pytest.approx(1e-1 - 6e-3, rel=1e-12)
+    assert got["k#0"][:2] == (1e-3, pytest.approx(9e-2, rel=1e-12))
+    assert got["k#0"][2] == pytest.approx(5e-1 - 9e-2, rel=1e-12)
     assert got["z#0"] == (5e-1, None, 0.0)
 
 
