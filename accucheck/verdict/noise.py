@@ -139,10 +139,10 @@ def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocat
     """The site named for the first site more than noise: itself, or the earliest site of its
     layer that feeds it (verdict.flow's feeders, followed back within the layer) and stands
     within its `origin` fraction of its own threshold (NoiseSite.origin: CONTROL_ORIGIN, or
-    CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates). Excess is not conserved through a layer: a
-    faulty RMSNorm's error can stand out more at the Linear it feeds than at its own output,
-    against each one's noise, so the Linear crosses its threshold first; naming it would blame
-    the module downstream of the fault (measured: bench/bench_control.py, docs/control.md)."""
+    CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates). Excess is not conserved
+    through a layer: a faulty RMSNorm's error can stand out more at the Linear it feeds than
+    at its own output, against each one's noise, so the Linear crosses its threshold first;
+    naming it would blame the module downstream of the fault (measured: bench/bench_control.py, docs/control.md)."""
     layer = layer_of(first.key.module)
     if layer is None:
         return first
