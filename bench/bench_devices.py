@@ -5,13 +5,15 @@ table of docs/control.md ("Correct devices").
 
     python bench/bench_devices.py [--pairs 12] [--first-pair 0] [--devices gpu,npu,mixed,dither]
         [--stores stats,full] [--faults | --only-faults] [--fault-layers 4,14,24]
-        [--strengths 0.5,1.25,2,4] [--json rows.json]
+        [--strengths 0.5,1.25,2,4] [--columns fp32 ref,bf16 ref,control,2 controls]
+        [--controls 1] [--json rows.json]
 
 Clean pairs: pair k (--prompts-per-pair prompts, default 2, of a pool of 48 with prefixed
 variants once it is used up; 2 decode steps) captured as
 - the references: float32 and bfloat16 on the CPU (HF, sdpa attention: transformers' default);
 - the control: bfloat16 on the CPU with a dither of its own seed (what `--control-for` makes,
-  on a device that rounds its own way);
+  on a device that rounds its own way), and a second one with another seed (column
+  "2 controls");
 - the candidate: bfloat16 on emulated device D (seed k), teacher-forced to the float32
   reference's tokens.
 A clean pair is a false alarm when the verdict exits 1, names a culprit or a SUSPICIOUS record
@@ -21,7 +23,8 @@ Faults (--faults, or --only-faults): graded faults (tests/planting.py: norm, lin
 core at layers 4, 14 and 24, rotary once) planted inside each device, 4 prompts, sized to x0.5
 (below the noise: the fault alone is half of it), x1.25, x2 and x4 their record's natural
 noise (measured in the full store against 3 dither controls), in each store mode; "named" is
-the exact planted module, "wrong" any other culprit. Several processes: --devices.
+the exact planted module, "wrong" any other culprit; with --controls 1-3 dither controls.
+Several processes: --devices.
 Captures are cached in --work (default ~/.cache/accucheck-bench/devices).
 """
 from __future__ import annotations
@@ -106,10 +109,10 @@ class Runs:
         return path
 
 
-def judge(ref: Path, cand: Path, control: Path | None) -> dict:
+def judge(ref: Path, cand: Path, controls: tuple[Path, ...]) -> dict:
     from accucheck.verdict.locate import analyze
 
-    a = analyze(ref, cand, controls=[control] if control else ())
+    a = analyze(ref, cand, controls=controls)
     c = a.culprit
     out = {"exit": a.exit_code, "culprit": c.module if c is not None else None,
            "suspicious": [str(s.key) for s in a.location.suspicious][:3]}
@@ -137,34 +140,42 @@ def pair_prompts(k: int, per_pair: int) -> list[str]:
     return out
 
 
+COLUMNS = ("fp32 ref", "bf16 ref", "control", "2 controls")
+
+
 def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
-               per_pair: int = 2) -> list[dict]:
+               per_pair: int = 2, columns: tuple[str, ...] = COLUMNS[:3]) -> list[dict]:
     rows = []
     for k in pairs:
         prompts = pair_prompts(k, per_pair)
         for store in stores:
             tag = f"p{k}x{per_pair}"
             r32 = runs.capture(f"{tag}-ref32", prompts, store, dtype="float32")
-            r16 = runs.capture(f"{tag}-ref16", prompts, store, ref=r32)
+            r16 = runs.capture(f"{tag}-ref16", prompts, store, ref=r32) \
+                if "bf16 ref" in columns else None
             ctl = runs.capture(f"{tag}-ctl", prompts, store, device="dither", seed=1000 + k,
                                ref=r32)
+            ctl2 = runs.capture(f"{tag}-ctl2", prompts, store, device="dither",
+                                seed=2000 + k, ref=r32) if "2 controls" in columns else None
             for dev in devices:
                 cand = runs.capture(f"{tag}-{dev}", prompts, store, device=dev, seed=k, ref=r32)
-                row = {"pair": k, "store": store, "device": dev,
-                       "fp32 ref": judge(r32, cand, None), "bf16 ref": judge(r16, cand, None),
-                       "control": judge(r32, cand, ctl)}
+                how = {"fp32 ref": (r32, ()), "bf16 ref": (r16, ()), "control": (r32, (ctl,)),
+                       "2 controls": (r32, (ctl, ctl2))}
+                row = {"pair": k, "store": store, "device": dev}
+                row.update({m: judge(how[m][0], cand, how[m][1]) for m in columns})
                 rows.append(row)
                 print(f"pair {k} {store} {dev}: " + ", ".join(
                     f"{m}: {'ALARM ' + json.dumps(row[m]) if alarm(row[m]) else 'clean'}"
-                    for m in ("fp32 ref", "bf16 ref", "control")), flush=True)
+                    for m in columns), flush=True)
     return rows
 
 
 def fault_rows(runs: Runs, devices: list[str], stores: list[str],
                layers: tuple[int, ...] = FAULT_LAYERS,
-               strengths: tuple[float, ...] = STRENGTHS) -> list[dict]:
+               strengths: tuple[float, ...] = STRENGTHS, controls: int = 1) -> list[dict]:
     """Graded faults (tests/planting.py) of every kind at `layers` (rotary: once), planted
-    inside each emulated device, in each store mode, judged without and with one control."""
+    inside each emulated device, in each store mode, judged without and with `controls`
+    control runs (1-3)."""
     prompts = POOL[:4]
     ref = {st: runs.capture("f-ref32", prompts, st, dtype="float32") for st in stores}
     full = runs.capture("f-ref32", prompts, "full", dtype="float32")
@@ -186,8 +197,8 @@ def fault_rows(runs: Runs, devices: list[str], stores: list[str],
                     cand = runs.capture(f"f-{dev}-{kind}{layer}-{s}", prompts, st, device=dev,
                                         seed=9, ref=full, planted=fault(kind, layer, d)[0])
                     row = {"device": dev, "store": st, "kind": kind, "layer": layer, "s": s,
-                           "expect": expect, "none": judge(ref[st], cand, None),
-                           "control": judge(ref[st], cand, ctls[st][0])}
+                           "expect": expect, "none": judge(ref[st], cand, ()),
+                           "control": judge(ref[st], cand, tuple(ctls[st][:controls]))}
                     rows.append(row)
                     print(f"fault {dev} {st} {kind}{layer} x{s}: none -> "
                           f"{row['none']['culprit']}, control -> {row['control']['culprit']}",
@@ -195,20 +206,21 @@ def fault_rows(runs: Runs, devices: list[str], stores: list[str],
     return rows
 
 
-def table(clean: list[dict], faulty: list[dict]) -> str:
-    out = ["| device | store | pairs | no control, fp32 ref | no control, bf16 ref | "
-           "1 control | largest control margin |", "|---|---|---|---|---|---|---|"]
+def table(clean: list[dict], faulty: list[dict], controls: int = 1) -> str:
+    cols = [m for m in COLUMNS if clean and m in clean[0]]
+    ctl = [m for m in cols if "control" in m]
+    out = ["| device | store | pairs | " + " | ".join(cols) + " | largest control margin |",
+           "|---|---|---|" + "---|" * (len(cols) + 1)] if clean else []
     keys = sorted({(r["device"], r["store"]) for r in clean})
     for dev, store in keys:
         rows = [r for r in clean if (r["device"], r["store"]) == (dev, store)]
-        cells = [f"{sum(alarm(r[m]) for r in rows)} / {len(rows)}"
-                 for m in ("fp32 ref", "bf16 ref", "control")]
-        margin = max(r["control"].get("margin", 0.0) for r in rows)
+        cells = [f"{sum(alarm(r[m]) for r in rows)} / {len(rows)}" for m in cols]
+        margin = max((r[m].get("margin", 0.0) for r in rows for m in ctl), default=0.0)
         out.append(f"| {dev} | {store} | {len(rows)} | " + " | ".join(cells)
                    + f" | {margin:.2f} |")
     if faulty:
         out += ["", "| device | store | strength | faults | no control: named / wrong | "
-                "1 control: named / wrong |", "|---|---|---|---|---|---|"]
+                f"{controls} control(s): named / wrong |", "|---|---|---|---|---|---|"]
         for dev in sorted({r["device"] for r in faulty}):
             for store in sorted({r["store"] for r in faulty}):
                 for s in STRENGTHS:
@@ -240,6 +252,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only-faults", action="store_true", help="the graded faults alone")
     ap.add_argument("--fault-layers", default=",".join(map(str, FAULT_LAYERS)))
     ap.add_argument("--strengths", default=",".join(map(str, STRENGTHS)))
+    ap.add_argument("--columns", default=",".join(COLUMNS[:3]),
+                    help=f"the verdicts of a clean row, of: {', '.join(COLUMNS)}")
+    ap.add_argument("--controls", type=int, default=1, choices=(1, 2, 3),
+                    help="control runs a fault is judged with")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     runs = Runs(args.work)
@@ -247,13 +263,16 @@ def main(argv=None) -> int:
     devices = args.devices.split(",")
     pairs = range(args.first_pair, args.first_pair + args.pairs)
     stores = args.stores.split(",")
+    columns = tuple(args.columns.split(","))
+    if set(columns) - set(COLUMNS):
+        ap.error(f"--columns: one or more of {', '.join(COLUMNS)}")
     clean = [] if args.only_faults else clean_rows(runs, pairs, devices, stores,
-                                                   args.prompts_per_pair)
+                                                   args.prompts_per_pair, columns)
     faulty = fault_rows(runs, devices, stores,
                         tuple(int(x) for x in args.fault_layers.split(",")),
-                        tuple(float(x) for x in args.strengths.split(","))) \
+                        tuple(float(x) for x in args.strengths.split(",")), args.controls) \
         if args.faults or args.only_faults else []
-    print(table(clean, faulty))
+    print(table(clean, faulty, args.controls))
     print(f"\n{runs.made} captures made ({runs.seconds:.0f} s), total "
           f"{time.perf_counter() - t0:.0f} s")
     if args.json:
