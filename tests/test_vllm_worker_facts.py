@@ -6,6 +6,7 @@ switches, compile / graph state and attention backend land in meta "workers"."""
 from __future__ import annotations
 
 import enum
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,42 @@ def test_compile_facts_of_an_older_vllm_and_a_configured_backend():
     assert facts["level"] == 3 and facts["mode"] is None
     assert facts["attention_backend"] == ["FLASH_ATTN"]
     assert compilation_facts(SimpleNamespace())["attention_backend"] is None
+
+
+def test_deterministic_reaches_each_worker(engine, tiny_dir, tmp_path, monkeypatch):
+    """--deterministic: torch's switch is per process, so each worker turns it on itself.
+    The fake's worker resets it as a worker process starts (off). Before: only the front
+    end's process had it on, and meta "determinism" said so for the workers too."""
+    was = torch.are_deterministic_algorithms_enabled()
+
+    def fresh_worker():
+        torch.use_deterministic_algorithms(False)  # a new process: off
+        return fk.Runner(fk.MoEModel("vllm"))
+    monkeypatch.setattr(engine, "make_runner", staticmethod(fresh_worker))
+    try:
+        meta = _meta(_capture(tiny_dir, tmp_path / "x.h5", deterministic=True))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert meta["workers"]["0"]["determinism"][
+        "torch.are_deterministic_algorithms_enabled"] is True
+    assert meta["determinism"]["torch.use_deterministic_algorithms"] is True
+
+
+def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch):
+    """On NPU, --deterministic puts HCCL / LCCL determinism and ATB's shuffled-K matmul and
+    LCOC overlap off into the environment the workers inherit (a value the user set wins),
+    and restores the environment after. Before: ATB's two were never set."""
+    from accucheck.capture import device as dev
+    from accucheck.capture.vllm_plugin import PluginConfig
+    from accucheck.capture.vllm_runner import _capture_env
+
+    for k in dev.DETERMINISTIC_ENV["npu"]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HCCL_DETERMINISTIC", "strict")
+    opts = CaptureOptions(device="npu", deterministic=True)
+    with _capture_env(dev.parse_device("npu"), "bfloat16", opts, PluginConfig()):
+        seen = {k: os.environ.get(k) for k in dev.DETERMINISTIC_ENV["npu"]}
+        assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    assert seen == {"HCCL_DETERMINISTIC": "strict", "LCCL_DETERMINISTIC": "1",
+                    "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "ATB_LLM_LCOC_ENABLE": "0"}
+    assert "ATB_LLM_LCOC_ENABLE" not in os.environ

@@ -110,30 +110,40 @@ def seed_everything(seed: int, spec: DeviceSpec) -> dict:
     return {"seed": seed, "seeded": seeded}
 
 
-def set_deterministic(spec: DeviceSpec) -> dict:
-    """Opt-in determinism switches. Returns what was set (recorded in the capture's meta).
+# The variables that make a device's GEMMs and collectives deterministic. They take effect
+# only when set before the first cuBLAS / HCCL call, so they go into the environment the
+# process (and vLLM's workers, which inherit it) starts with; a value the user set wins.
+# NPU: HCCL / LCCL reduction order (torch_npu), and ATB's shuffled-K matmul and LCOC overlap
+# (vllm-ascend's FAQ on deterministic computing asks for both off).
+DETERMINISTIC_ENV = {
+    "cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+    "npu": {"HCCL_DETERMINISTIC": "true", "LCCL_DETERMINISTIC": "1",
+            "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "ATB_LLM_LCOC_ENABLE": "0"},
+}
 
-    CUBLAS_WORKSPACE_CONFIG and HCCL_DETERMINISTIC only take effect when set before the first
-    cuBLAS / HCCL call: set them in the environment of the process for certainty.
-    """
+
+def deterministic_torch(kind: str) -> dict:
+    """torch's deterministic switches in this process (per process: vLLM's workers call it
+    themselves, accucheck.capture.vllm_plugin). Returns what was set."""
     import torch
 
-    settings = {}
     torch.use_deterministic_algorithms(True, warn_only=True)
-    settings["torch.use_deterministic_algorithms"] = True
-    if spec.kind == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    settings = {"torch.use_deterministic_algorithms": True}
+    if kind == "cuda":
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        settings.update({"cudnn.deterministic": True, "allow_tf32": False,
-                         "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"]})
-    elif spec.kind == "npu":
-        os.environ.setdefault("HCCL_DETERMINISTIC", "true")
-        os.environ.setdefault("LCCL_DETERMINISTIC", "1")
-        settings.update({"HCCL_DETERMINISTIC": os.environ["HCCL_DETERMINISTIC"],
-                         "LCCL_DETERMINISTIC": os.environ["LCCL_DETERMINISTIC"]})
+        settings.update({"cudnn.deterministic": True, "allow_tf32": False})
+    return settings
+
+
+def set_deterministic(spec: DeviceSpec) -> dict:
+    """Opt-in determinism: DETERMINISTIC_ENV of the device (where unset) and torch's switches
+    in this process. Returns what holds (recorded in the capture's meta)."""
+    settings = deterministic_torch(spec.kind)
+    for k, v in DETERMINISTIC_ENV.get(spec.kind, {}).items():
+        settings[k] = os.environ.setdefault(k, v)
     return settings
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+from accucheck.capture.device import deterministic_torch
 from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
 from accucheck.capture.stats import to_host
@@ -76,12 +77,14 @@ class PluginConfig:
     # `plant_test_fault` says
     test_fault: dict | None = None
     record: bool = True  # False: plant test_fault only, record nothing
+    # --deterministic: torch's switches are per process, so each worker sets its own
+    deterministic: bool = False
 
     def to_env(self) -> str:
         return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
                            "record_inputs": self.record_inputs, "graph": self.graph,
                            "full": self.full, "test_fault": self.test_fault,
-                           "record": self.record})
+                           "record": self.record, "deterministic": self.deterministic})
 
     @classmethod
     def from_env(cls) -> "PluginConfig | None":
@@ -91,7 +94,8 @@ class PluginConfig:
         d = json.loads(raw)
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
                    bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")),
-                   d.get("test_fault"), bool(d.get("record", True)))
+                   d.get("test_fault"), bool(d.get("record", True)),
+                   bool(d.get("deterministic")))
 
 
 @dataclass
@@ -239,6 +243,8 @@ class Collector:
     def __init__(self, runner, cfg: PluginConfig):
         self.runner = runner
         self.cfg = cfg
+        if cfg.deterministic:  # before the first forward: compile and graphs see it
+            deterministic_torch(getattr(getattr(runner, "device", None), "type", None) or "cpu")
         self.model = runner.model
         self.rank, self.tp_size = _tp_rank_size()
         self.records: list[Record] = []

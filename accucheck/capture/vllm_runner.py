@@ -85,8 +85,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     Environment (set for the duration of the call, restored after): VLLM_USE_V2_MODEL_RUNNER=0,
     on the CPU with tensor parallel VLLM_CPU_OMP_THREADS_BIND (unless set), in graph mode
     VLLM_DISABLE_COMPILE_CACHE=1 (the compile cache key ignores hooks) and VLLM_USE_AOT_COMPILE=0,
-    TRITON_F32_DEFAULT=ieee for float32 on CUDA (unless set), VLLM_BATCH_INVARIANT=1 with
-    `deterministic` (unless set). Returns `out`.
+    TRITON_F32_DEFAULT=ieee for float32 on CUDA (unless set), with `deterministic`
+    VLLM_BATCH_INVARIANT=1 and the device's device.DETERMINISTIC_ENV (unless set; each worker
+    also turns torch's deterministic switches on in its own process). Returns `out`.
     """
     engine_kwargs = dict(engine_kwargs or {})
     check_output_path(out, opts.force, opts.inputs())
@@ -130,7 +131,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
     cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
                               record_inputs=opts.record_inputs, graph=opts.mode == "graph",
-                              full=opts.store == "full", test_fault=planted_test_fault())
+                              full=opts.store == "full", test_fault=planted_test_fault(),
+                              deterministic=opts.deterministic)
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
     with _capture_env(spec, dtype, opts, cfg, tp):
         _check_platform(spec)
@@ -290,8 +292,8 @@ def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
     default = {}
     if spec.kind == "cuda" and dtype == "float32":
         default["TRITON_F32_DEFAULT"] = "ieee"
-    if opts.deterministic:
-        default["VLLM_BATCH_INVARIANT"] = "1"
+    if opts.deterministic:  # the workers inherit the variables and set torch's switches
+        default.update(VLLM_BATCH_INVARIANT="1", **dev.DETERMINISTIC_ENV.get(spec.kind, {}))
     if spec.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         default["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     with dev.environment(forced, default):
