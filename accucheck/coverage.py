@@ -91,3 +91,25 @@ def coverage_line(cov: dict) -> str:
     parts.append(f"first missing: {miss['first'][0]}")
     return (f"coverage FAILED: {cov['recorded']} of {cov['expected']} expected records "
             f"({shape}); " + "; ".join(parts))
+
+
+def skipped_throughout(modules: Iterable[str], sites: Iterable[str],
+                       skipped: dict[str, str]) -> str | None:
+    """One line when a selected module of `modules` has no record among `sites` ("module#call:
+    role.slot") and a worker said why it dropped its tensors (`skipped`: "module:role.slot" ->
+    reason); None otherwise. The coverage verdict expects only the sites recorded at least
+    once, so a module dropped at every step passed it: under sequence-parallel padding or
+    MC2 / FlashComm token splits every rank holds another number of rows than the step's
+    tokens, and each layer's records were dropped without a word."""
+    recorded = {s.split("#", 1)[0] for s in sites}
+    why: dict[str, str] = {}
+    for key, reason in skipped.items():
+        why.setdefault(key.split(":", 1)[0], reason)
+    dropped = [m for m in modules if m not in recorded and m in why]
+    if not dropped:
+        return None
+    return (f"coverage FAILED: {len(dropped)} selected module{'s' if len(dropped) > 1 else ''} "
+            f"recorded nothing at any step (first: {dropped[0]}: {why[dropped[0]]}); a token "
+            f"count that is not the step's comes from sequence parallelism or MC2 / FlashComm "
+            f"token splits, which accucheck does not join: capture with them off, or --exclude "
+            f"the module")

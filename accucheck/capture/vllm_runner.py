@@ -29,7 +29,7 @@ from accucheck.capture import device as dev
 from accucheck.capture import vllm_facts as vf
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
                                    interruptible, left_behind, tokenize_prompts)
-from accucheck.coverage import coverage, coverage_line
+from accucheck.coverage import coverage, coverage_line, skipped_throughout
 from accucheck.capture.graph import ObserverCheck
 from accucheck.capture.ranks import Merged, merge_ranks, merge_weight_tables
 from accucheck.capture.hf import config_hash, load_tokenizer, parse_dtype
@@ -416,10 +416,11 @@ def _info(by_rank: dict[int, dict]) -> dict:
 def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
                  got: dict[int, dict]) -> None:
     """The end of a capture: what the workers skipped while generating joins meta
-    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, or
-    when a MoE router recorded no routing at all (`vllm_moe.routing_gap`: the coverage verdict
-    expects only what was recorded at least once, so a routing path accucheck does not tap
-    passed it)."""
+    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, when a
+    selected module was dropped at every step (`coverage.skipped_throughout`), or when a MoE
+    router recorded no routing at all (`vllm_moe.routing_gap`). The coverage verdict expects
+    only what was recorded at least once: a module or a routing path dropped throughout
+    passed it."""
     from accucheck.capture.vllm_moe import routing_gap
 
     skipped = dict(meta["vllm"]["skipped"])
@@ -429,9 +430,12 @@ def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
     writer.update_meta(vllm={**meta["vllm"], "skipped": skipped})
     if not cov["ok"]:
         raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
-    routers = next((g.get("routers") for _r, g in sorted(got.items()) if g.get("attached")),
-                   None) or []
-    gap = routing_gap(routers, {site for *_where, site in merged.seen}, skipped)
+    sites = {site for *_where, site in merged.seen}
+    dropped = skipped_throughout(_info(got)["modules"], sites, skipped)
+    if dropped is not None:
+        raise UserError(f"{dropped}; {left_behind(writer)}")
+    routers = _info(got).get("routers") or []
+    gap = routing_gap(routers, sites, skipped)
     if gap is not None:
         raise UserError(f"{gap}; {left_behind(writer)}")
 
