@@ -248,7 +248,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                         on_step(k)
                     return greedy_run(forward, ids, tdev, opts.max_new_tokens,
                                       forced=forced[r][1] if forced else None,
-                                      on_step=step, on_logits=on_logits, causal=causal)
+                                      on_step=step, on_logits=on_logits, causal=causal,
+                                      model=model)
                 run_unobserved(compiled(), prompt_ids, untapped, check)
                 torch._dynamo.reset()  # the tapped model compiles afresh
                 compiling.register()
@@ -279,7 +280,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                     follow = check.tokens[r] if check is not None else \
                         forced[r][1] if forced else None
                     gen = greedy_run(forward, ids, tdev, opts.max_new_tokens, forced=follow,
-                                     on_step=on_step, on_logits=on_logits, causal=causal)
+                                     on_step=on_step, on_logits=on_logits, causal=causal,
+                                     model=model)
                     writer.set_request(r, gen.prompt_ids, gen.generated_ids,
                                        prompts[r] if isinstance(prompts[r], str) else None)
                     writer.flush()

@@ -39,10 +39,12 @@ class RowRun:
 
 def batched_run(forward: Callable, rows: Sequence[Sequence[int]], device: torch.device,
                 n_new: int, *, forced: Sequence[int] | None = None, pad_id: int = 0,
-                on_step: Callable[[int, int, int], None] | None = None) -> RowRun:
+                on_step: Callable[[int, int, int], None] | None = None,
+                model: object | None = None) -> RowRun:
     """Greedy / forced decoding of every row at once; row 0 follows `forced` when given.
     `on_step(step, pad0, width)` runs before each forward (pad0: row 0's left pads in this
-    forward's input, width: the input's length)."""
+    forward's input, width: the input's length). `model`: the module `forward` runs, for its
+    cache argument's name (hf.cache_argument)."""
     longest = max(len(r) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(rows), longest), dtype=torch.long, device=device)
@@ -50,7 +52,7 @@ def batched_run(forward: Callable, rows: Sequence[Sequence[int]], device: torch.
         ids[i, longest - len(r):] = torch.tensor(list(r), dtype=torch.long)
         mask[i, longest - len(r):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache_arg, past, generated, steps = cache_argument(forward), None, [], []
+    cache_arg, past, generated, steps = cache_argument(forward, model), None, [], []
     prompt_logits = None
     with torch.no_grad():
         for k in range(n_new + 1):

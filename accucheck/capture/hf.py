@@ -218,13 +218,14 @@ class Generation:
 def greedy_run(forward: Callable, prompt_ids: Sequence[int], device: torch.device,
                max_new_tokens: int, *, forced: Sequence[int] | None = None,
                on_step: Callable[[int], None], on_logits: Callable[[torch.Tensor | None], None],
-               causal: bool = True) -> Generation:
+               causal: bool = True, model: object | None = None) -> Generation:
     """Step 0 = prefill over the prompt; steps 1..N each feed one token with the KV cache.
     The token fed at step k is `forced[k-1]` when teacher forcing, else the argmax of step k-1's
-    last logits. `on_step(step)` is called before and `on_logits(logits)` after each forward."""
+    last logits. `on_step(step)` is called before and `on_logits(logits)` after each forward.
+    `model`: the module `forward` runs (compiled or wrapped), for its cache argument's name."""
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     generated: list[int] = []
-    cache_arg = cache_argument(forward) if causal else None
+    cache_arg = cache_argument(forward, model) if causal else None
     with torch.no_grad():
         on_step(0)
         out = forward(input_ids=ids, use_cache=causal) if causal else forward(input_ids=ids)
@@ -243,13 +244,19 @@ def greedy_run(forward: Callable, prompt_ids: Sequence[int], device: torch.devic
     return Generation(list(prompt_ids), generated)
 
 
-def cache_argument(forward: Callable) -> str:
+def cache_argument(forward: Callable, model: object | None = None) -> str:
     """The name under which this model's forward takes the KV cache: `past_key_values` in
     transformers up to 5.23, `cache` from 5.24 (which deprecates the old name); in general the
-    parameter annotated with a Cache type, so that no deprecated argument is ever passed."""
-    fn = getattr(getattr(forward, "_orig_mod", forward), "forward", forward)
+    parameter annotated with a Cache type, so that no deprecated argument is ever passed.
+    Read from `model`'s class when given (a wrapper of the forward, `fwd(*a, **k)`, hides the
+    parameters), else from `forward` through torch.compile's `_orig_mod` and functools.wraps
+    chains."""
+    if model is not None:
+        fn = type(model).forward
+    else:
+        fn = getattr(getattr(forward, "_orig_mod", forward), "forward", forward)
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(inspect.unwrap(fn)).parameters
     except (TypeError, ValueError):
         return "past_key_values"
     if "past_key_values" in params:

@@ -279,7 +279,8 @@ def _hf_one_run(model, spec: RunSpec, res: RunResult, prompt_ids, dtype: str, n_
     for r, ids in enumerate(prompt_ids):
         rows = [ids] + fillers(prompt_ids, r, batch - 1)
         forced = baseline_tokens.get(r) if spec.label != "baseline" else None
-        run = batched_run(forward, rows, tdev, n_new, forced=forced, pad_id=pad_id)
+        run = batched_run(forward, rows, tdev, n_new, forced=forced, pad_id=pad_id,
+                          model=model)
         if spec.label == "baseline":
             baseline_tokens[r] = run.generated + [int(run.logits[-1].argmax())]
         res.logits[r] = run.logits
