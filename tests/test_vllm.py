@@ -388,18 +388,24 @@ def test_missing_vllm_names_the_extra(tiny_dir, tmp_path, monkeypatch):
     assert not (tmp_path / "x.h5").exists()
 
 
-@pytest.mark.parametrize("opts,engine,msg", [
-    (dict(dtype="float64"), {}, "vLLM does not run float64"),
-    ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
-    ({}, {"enforce_eager": False}, "contradicts --mode eager"),
-    ({}, {"enable_prefix_caching": True}, "cannot be used for a capture"),
-    (dict(level="op"), {}, "not available with --runner vllm"),
+@pytest.mark.parametrize("opts,engine,msg,code", [
+    (dict(dtype="float64"), {}, "vLLM does not run float64", 2),
+    ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported", 3),
+    ({}, {"enforce_eager": False}, "contradicts --mode eager", 2),
+    ({}, {"enable_prefix_caching": True}, "cannot be used for a capture", 2),
+    (dict(level="op"), {}, "not available with --runner vllm", 2),
+    (dict(compile_backend="inductor", mode="graph"), {}, "--compile-backend is for --runner hf",
+     2),
 ])
-def test_bad_options_are_user_errors(tiny_dir, tmp_path, opts, engine, msg):
+def test_bad_options_are_user_errors(tiny_dir, tmp_path, opts, engine, msg, code):
+    """Flags that clash with each other or with --runner vllm are usage errors (exit 2, issue
+    35: they exited 3 here and 2 elsewhere); an engine setting accucheck cannot capture is
+    bad input (exit 3)."""
     from accucheck.capture.vllm_runner import capture_vllm
 
-    with pytest.raises(UserError, match=msg):
+    with pytest.raises(UserError, match=msg) as e:
         capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(**opts), engine)
+    assert e.value.exit_code == code
 
 
 def test_log_probabilities_where_raw_logits_were_asked_are_refused():
