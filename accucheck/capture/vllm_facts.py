@@ -30,6 +30,16 @@ def _name(value) -> str | int | None:
     return str(getattr(value, "name", value))
 
 
+def model_of(runner):
+    """The runner's model as the nn.Module whose module tree the taps walk: `get_model()`
+    where the runner has it, else `runner.model`. In graph mode `runner.model` can be a
+    wrapper that is no nn.Module: vLLM's GPUModelRunner.get_model unwraps CUDAGraphWrapper,
+    UBatchWrapper and BreakableCUDAGraphWrapper (vLLM 0.32), vllm-ascend's NPUModelRunner its
+    ACLGraphWrapper; CPUModelRunner returns the model as is."""
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
 def worker_facts(runner) -> dict:
     """This worker's facts (JSON-ready): "device", "determinism", "compilation", "sampler"."""
     device = getattr(runner, "device", None)
