@@ -45,9 +45,6 @@ class GraphRunner(fk.Runner):
     def get_model(self) -> torch.nn.Module:
         return self.model.unwrap() if isinstance(self.model, CUDAGraphWrapper) else self.model
 
-    def _dummy_run(self, n: int) -> None:
-        self.model(torch.zeros(n, dtype=torch.long))
-
 
 def _capture(runner, **cfg) -> tuple[dict, set]:
     col = fk.attach(runner, full=True, **cfg)

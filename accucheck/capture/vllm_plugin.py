@@ -43,7 +43,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
 from accucheck.capture.stats import to_host
-from accucheck.capture.vllm_facts import model_of, worker_facts
+from accucheck.capture.vllm_facts import fusion_facts, model_of, worker_facts
 from accucheck.capture.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
 
@@ -216,9 +216,10 @@ def collect(worker) -> dict:
     `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
-    if col is None:
+    if col is None:  # an engine without the collector (the observer check's untapped one)
         return {"attached": False, "rank": _tp_rank_size()[0],
-                "import_errors": dict(import_errors)}
+                "import_errors": dict(import_errors),
+                "facts": {"fusion": fusion_facts(runner)} if runner is not None else {}}
     return col.drain()
 
 

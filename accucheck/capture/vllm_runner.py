@@ -150,7 +150,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                             follow[r][1] if follow is not None else None})
                 for r in range(len(prompt_ids))]
 
-        check = None
+        check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
             # the untapped engine first (accucheck.capture.graph): its tokens and logits are
             # the run's; the tapped engine follows its tokens
@@ -158,8 +158,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                       forced is not None)
             t0 = time.monotonic()
-            tokens = _untapped_run(LLM, untapped, prompt_ids, params_for(forced), n_new,
-                                   int(hf_config.vocab_size), plugin.ENV, check)
+            tokens, untapped_workers = _untapped_run(
+                LLM, untapped, prompt_ids, params_for(forced), n_new,
+                int(hf_config.vocab_size), plugin.ENV, check)
             check.seconds = time.monotonic() - t0
             forced = [(ids, t) for ids, t in zip(prompt_ids, tokens)]
             dev.seed_everything(opts.seed, spec)
@@ -177,6 +178,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
                                              tp))
             meta["workers"] = vf.workers_meta(infos)
+            if opts.mode == "graph":
+                meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers,
+                                                       opts.observer_check)
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
@@ -529,10 +533,11 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
 
 # -- writing ----------------------------------------------------------------------------------
 def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int, env: str,
-                  check: ObserverCheck) -> list[list[int]]:
+                  check: ObserverCheck) -> tuple[list[list[int]], list[dict]]:
     """Graph mode's observer check: one engine without the accucheck collector (its variable
     `env` unset while the engine loads the model), its logits per step kept in `check`; returns
-    the tokens it generated per request (the tapped engine is forced to them)."""
+    the tokens it generated per request (the tapped engine is forced to them) and its workers'
+    answers to accucheck_collect once started (their fusion passes: vllm_facts.fusion_meta)."""
     saved = os.environ.pop(env, None)
     try:
         llm = _engine(LLM, kwargs)
@@ -540,6 +545,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         if saved is not None:
             os.environ[env] = saved
     try:
+        workers = list(llm.collective_rpc(COLLECT))
         with interruptible():
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                    use_tqdm=False)
@@ -552,7 +558,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab)):
             check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
-    return tokens
+    return tokens, workers
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
