@@ -80,7 +80,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     incomplete and raises UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
-    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
+    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph);
+    meta "fusion_passes" (graph mode) which fusion passes are on and which matched less with the
+    taps in (vllm_facts.fusion_meta).
 
     Environment (set for the duration of the call, restored after): VLLM_USE_V2_MODEL_RUNNER=0,
     on the CPU with tensor parallel VLLM_CPU_OMP_THREADS_BIND (unless set), in graph mode
