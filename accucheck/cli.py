@@ -99,7 +99,9 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
                    "mode, module selection and steps, here at --dtype (default: the "
                    "reference's), eager; for `diff --control`")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None)
-@click.option("--compile-backend", default=None, help="torch.compile backend for --mode graph")
+@click.option("--compile-backend", default=None,
+              help="torch.compile backend for --mode graph (default inductor, on NPU too; "
+                   "torchair: TorchAir's GE backend)")
 @click.option("--observer-check/--no-observer-check", default=True, show_default=True,
               help="--mode graph: also run the compiled model without taps, record its logits "
                    "and measure what the taps change (meta observer_effect); off: one compile "

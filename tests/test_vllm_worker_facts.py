@@ -2,11 +2,17 @@
 through `capture_vllm` on the fake engine of tests/vllm_fakes.py (its worker in this process):
 a sampler that ignores the engine's logprobs_mode is refused before generating; the front end
 never asks torch.cuda / torch.npu for device facts (the workers do); each worker's determinism
-switches, compile / graph state and attention backend land in meta "workers"."""
+switches, compile / graph state, attention backend and fusion passes (vLLM's pass_config,
+vllm-ascend's ascend_compilation_config) land in meta "workers"; in graph mode meta
+"fusion_passes" says which passes the taps may undo, from both engines' match counts."""
 from __future__ import annotations
 
 import enum
 import os
+import sys
+import types
+from collections import defaultdict
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -175,3 +181,119 @@ def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch
     assert seen == {"HCCL_DETERMINISTIC": "strict", "LCCL_DETERMINISTIC": "1",
                     "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "ATB_LLM_LCOC_ENABLE": "0"}
     assert "ATB_LLM_LCOC_ENABLE" not in os.environ
+
+
+@dataclass
+class PassConfig:
+    """vLLM 0.32's PassConfig (vllm/config/compilation.py), a dataclass: fusion switches True,
+    False or None (undecided), and fields that are no switch."""
+    fuse_norm_quant: bool | None = True
+    fuse_act_quant: bool | None = False
+    fuse_allreduce_rms: bool | None = None
+    enable_qk_norm_rope_fusion: bool | None = True
+    eliminate_noops: bool = True
+    rope_kvcache_fusion_max_token_num: int = 256
+
+
+class AscendCompilationConfig:
+    """vllm-ascend's (vllm_ascend/ascend_config.py, main and v0.25.1rc1): a plain class."""
+
+    def __init__(self):
+        self.fuse_norm_quant, self.fuse_qknorm_rope, self.fuse_muls_add = True, False, True
+        self.enable_npugraph_ex, self.enable_static_kernel = True, False
+
+
+def _fake_vllm_ascend(monkeypatch) -> None:
+    mod = types.ModuleType("vllm_ascend.ascend_config")
+    config = SimpleNamespace(ascend_compilation_config=AscendCompilationConfig(),
+                             ascend_fusion_config=SimpleNamespace(
+                                 fusion_ops_gmmswigluquant=True))
+    mod.get_ascend_config = lambda: config
+    monkeypatch.setitem(sys.modules, "vllm_ascend.ascend_config", mod)
+
+
+def test_each_worker_reports_its_fusion_passes(engine, tiny_dir, tmp_path, monkeypatch):
+    """meta "workers" <rank> "fusion": the switches of vLLM's pass_config and of
+    vllm-ascend's ascend_compilation_config / ascend_fusion_config, read by name, and the
+    fusion passes on. Before: no fusion facts at all."""
+    _fake_vllm_ascend(monkeypatch)
+
+    def runner():
+        return fk.Runner(fk.MoEModel("vllm"), config=fk.vllm_config(
+            mode="NONE", cudagraph_mode="NONE", pass_config=PassConfig()))
+    monkeypatch.setattr(engine, "make_runner", staticmethod(runner))
+    fusion = _meta(_capture(tiny_dir, tmp_path / "x.h5"))["workers"]["0"]["fusion"]
+    assert fusion["vllm"] == {"fuse_norm_quant": True, "fuse_act_quant": False,
+                              "fuse_allreduce_rms": None, "enable_qk_norm_rope_fusion": True}
+    assert fusion["vllm_ascend"] == {
+        "fuse_norm_quant": True, "fuse_qknorm_rope": False, "fuse_muls_add": True,
+        "enable_npugraph_ex": True, "enable_static_kernel": False,
+        "fusion_ops_gmmswigluquant": True}
+    assert fusion["enabled"] == [
+        "vllm.enable_qk_norm_rope_fusion", "vllm.fuse_norm_quant",
+        "vllm_ascend.fuse_muls_add", "vllm_ascend.fuse_norm_quant",
+        "vllm_ascend.fusion_ops_gmmswigluquant"]
+
+
+def test_an_older_pass_config_and_an_unreadable_ascend_config():
+    """vLLM before 0.12 named its switches enable_fusion / enable_noop (read as they are); a
+    vllm-ascend whose config is not initialised in this process is said, not raised."""
+    from accucheck.capture.vllm_facts import fusion_facts
+
+    old = SimpleNamespace(pass_config=SimpleNamespace(enable_fusion=True, enable_noop=True,
+                                                      dump_graph_dir="/tmp"))
+    mp = pytest.MonkeyPatch()
+    mod = types.ModuleType("vllm_ascend.ascend_config")
+
+    def not_initialised():
+        raise RuntimeError("Ascend config is not initialized.")
+    mod.get_ascend_config = not_initialised
+    mp.setitem(sys.modules, "vllm_ascend.ascend_config", mod)
+    try:
+        facts = fusion_facts(SimpleNamespace(vllm_config=SimpleNamespace(
+            compilation_config=old)))
+    finally:
+        mp.undo()
+    assert facts["vllm"] == {"enable_fusion": True, "enable_noop": True}
+    assert facts["enabled"] == ["vllm.enable_fusion"]
+    assert facts["vllm_ascend_error"] == "RuntimeError: Ascend config is not initialized."
+
+
+def test_graph_mode_meta_says_the_taps_may_undo_fusions(engine, tiny_dir, tmp_path,
+                                                        monkeypatch):
+    """Graph mode, meta "fusion_passes": the passes on, and vLLM's pattern-match counts of
+    the untapped and the tapped engine. Both engines run in this process (the fake's), so the
+    tapped count is what it added: 1 match against the untapped engine's 2 names the pass.
+    Before: no such entry, and the untapped engine was never asked."""
+    from accucheck.capture.vllm_facts import MATCH_TABLE_MODULES
+
+    table = defaultdict(int)
+    matcher = SimpleNamespace(match_table=table)
+    monkeypatch.setitem(sys.modules, MATCH_TABLE_MODULES[0],
+                        SimpleNamespace(VllmPatternMatcherPass=matcher))
+    started = []
+
+    def runner():  # the untapped engine compiles first and matches twice, the tapped once
+        started.append(1)
+        table["RMSNormQuantFusionPass"] += 2 if len(started) == 1 else 1
+        table["QKNormRoPEFusionPass"] += 1
+        return fk.Runner(fk.MoEModel("vllm"), config=fk.vllm_config(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+            pass_config=PassConfig()))
+    monkeypatch.setattr(engine, "make_runner", staticmethod(runner))
+    meta = _meta(_capture(tiny_dir, tmp_path / "g.h5", mode="graph"))
+    fp = meta["fusion_passes"]
+    assert fp["enabled"] == ["vllm.enable_qk_norm_rope_fusion", "vllm.fuse_norm_quant"]
+    assert fp["matches"] == {
+        "untapped": {"QKNormRoPEFusionPass": 1, "RMSNormQuantFusionPass": 2},
+        "tapped": {"QKNormRoPEFusionPass": 1, "RMSNormQuantFusionPass": 1}}
+    assert fp["unfused_by_taps"] == ["RMSNormQuantFusionPass"]
+    assert fp["note"].startswith("2 fusion pass(es) on: the taps add readers")
+    assert "meta observer_effect measures" in fp["note"]
+    assert meta["observer_effect"]["bitwise"]
+
+
+def test_eager_meta_has_no_fusion_note(engine, tiny_dir, tmp_path):
+    meta = _meta(_capture(tiny_dir, tmp_path / "e.h5"))
+    assert "fusion_passes" not in meta
+    assert meta["workers"]["0"]["fusion"]["enabled"] == []

@@ -241,6 +241,10 @@ class Runner:
         with torch.inference_mode():
             return self.model(scheduler_output.input_ids)
 
+    def _dummy_run(self, num_tokens: int) -> None:
+        """vLLM's profiling forward (graph mode's discovery forward falls back to it)."""
+        self.model(torch.zeros(num_tokens, dtype=torch.long))
+
 
 def step(runner: Runner, reqs: list[tuple[str, int, list[int]]], new: dict[str, list[int]]):
     """One engine step: `reqs` (request id, capture index, prompt) all scheduled, each with

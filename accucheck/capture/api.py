@@ -53,8 +53,9 @@ class CaptureOptions:
     it, eager captures still record the floating-point inputs that no producer link explains
     (accucheck.capture.recorder); graph captures record none.
     tokens_from: a reference capture whose prompt and generated token ids this run must follow.
-    compile_backend: torch.compile backend for mode "graph" (default: inductor, or the torchair
-    NPU backend on NPU when installed).
+    compile_backend: torch.compile backend for mode "graph" (default: inductor on every device,
+    torch_npu's NPU inductor on NPU; "torchair": TorchAir's GE backend, only when asked;
+    accucheck.capture.compiling.backend_for).
     level: "module" (forward hooks) or "op" (also every operator inside the selected modules,
     accucheck.capture.ops; eager mode only).
     shadow: a reference capture (--store full --inputs) whose recorded inputs every selected

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from accucheck.capture import device as dev
-from accucheck.errors import UserError
+from accucheck.errors import UserError, one_line
 
 
 class CompileProgress:
@@ -131,24 +131,51 @@ class CompileProgress:
                 self._started = None
 
 
+TORCHAIR = "torchair"  # --compile-backend name of TorchAir's GE backend (not a dynamo name)
+
+
 def backend_for(spec: dev.DeviceSpec, compile_backend: str | None) -> tuple[str, str | object]:
-    """(name recorded in meta, backend passed to torch.compile) for mode "graph"."""
+    """(name recorded in meta, backend passed to torch.compile) for mode "graph".
+
+    Default on every device: "inductor", torch.compile's own default. On NPU that is
+    torch_npu's graph mode: torch_npu registers its inductor lowering for the npu device
+    (torch_npu._inductor, Triton kernels unless TORCHINDUCTOR_NPU_BACKEND says mlir / dvm)
+    when inductor first compiles. A torch_npu without it fails in the compile, with its own
+    traceback; pass --compile-backend torchair there.
+
+    "torchair" (TorchAir's GE graph, `torchair.get_npu_backend()`) only when asked: dynamo's
+    list_backends does not list it under that name (torch_npu registers it as "npu"), and
+    loading it can raise anything (RuntimeError, OSError, AttributeError when CANN's
+    set_env.sh was not sourced), so every failure is a one-line UserError naming the real
+    one. Any other name must be one torch.compile knows here."""
+    if compile_backend == TORCHAIR:
+        return TORCHAIR, _torchair_backend()
     if compile_backend:
         from torch._dynamo import list_backends
 
-        known = sorted(set(list_backends(exclude_tags=())))
+        known = sorted(set(list_backends(exclude_tags=())) | {TORCHAIR})
         if compile_backend not in known:
             raise UserError(f"--compile-backend {compile_backend}: torch.compile knows no "
                             f"such backend here; use one of {', '.join(known)}")
         return compile_backend, compile_backend
-    if spec.kind == "npu":  # Ascend's documented torch.compile backend is TorchAir's
-        try:
-            import torchair
-        except ImportError:
-            raise UserError("--mode graph on NPU needs torchair (the Ascend torch.compile "
-                            "backend, installed with torch_npu); or pass --compile-backend") from None
-        return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
     return "inductor", "inductor"
+
+
+def _torchair_backend() -> object:
+    """TorchAir's NPU backend with its default CompilerConfig, or a one-line UserError.
+
+    torch_npu puts a lazy stand-in for `torchair` in sys.modules: the real import runs at the
+    first attribute read and re-raises whatever it met, later reads raise torch_npu's own
+    Exception subclass, not ImportError. Hence `except Exception`."""
+    try:
+        import torchair
+
+        return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+    except Exception as e:
+        raise UserError(f"--compile-backend torchair: TorchAir did not load "
+                        f"({type(e).__name__}: {one_line(e, 200)}); it ships with torch_npu "
+                        f"and needs CANN's set_env.sh sourced (import torch_npu before it); or "
+                        f"leave --compile-backend out for inductor") from None
 
 
 @contextmanager

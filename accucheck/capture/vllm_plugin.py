@@ -44,7 +44,7 @@ from accucheck.capture.device import deterministic_torch
 from accucheck.capture.recorder import stats_rows
 from accucheck.capture.selection import flatten, inputs_of, select_modules
 from accucheck.capture.stats import to_host
-from accucheck.capture.vllm_facts import worker_facts
+from accucheck.capture.vllm_facts import fusion_facts, model_of, worker_facts
 from accucheck.capture.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
 
@@ -207,7 +207,7 @@ def _wrap_load_model(orig):
             elif cfg is not None and cfg.test_fault:  # a matrix run of accucheck's own tests
                 fault = cfg.test_fault
                 if int(fault.get("rank", -1)) == _tp_rank_size()[0]:
-                    plant_test_fault(self, dict(self.model.named_modules()), fault)
+                    plant_test_fault(self, dict(model_of(self).named_modules()), fault)
         return result
     load_model.__wrapped__ = orig
     return load_model
@@ -220,9 +220,10 @@ def collect(worker) -> dict:
     `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
-    if col is None:
+    if col is None:  # an engine without the collector (the observer check's untapped one)
         return {"attached": False, "rank": _tp_rank_size()[0],
-                "import_errors": dict(import_errors)}
+                "import_errors": dict(import_errors),
+                "facts": {"fusion": fusion_facts(runner)} if runner is not None else {}}
     return col.drain()
 
 
@@ -245,7 +246,7 @@ class Collector:
         self.cfg = cfg
         if cfg.deterministic:  # before the first forward: compile and graphs see it
             deterministic_torch(getattr(getattr(runner, "device", None), "type", None) or "cpu")
-        self.model = runner.model
+        self.model = model_of(runner)  # under any CUDA / ACL graph wrapper
         self.rank, self.tp_size = _tp_rank_size()
         self.records: list[Record] = []
         self.errors: list[str] = []
@@ -776,19 +777,19 @@ def _eager_dummy_forward(runner, n: int) -> None:
     vllm-ascend's) when the plain call fails."""
     from vllm.forward_context import set_forward_context
 
-    device = next(runner.model.parameters()).device
+    model = model_of(runner)
+    device = next(model.parameters()).device
     ids = torch.zeros(n, dtype=torch.long, device=device)
     pos = torch.arange(n, dtype=torch.long, device=device)
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.inference_mode())
-            stack.enter_context(_no_compile(runner.model))
+            stack.enter_context(_no_compile(model))
             stack.enter_context(set_forward_context(None, runner.vllm_config, num_tokens=n))
-            runner.model(input_ids=ids, positions=pos, intermediate_tensors=None,
-                         inputs_embeds=None)
+            model(input_ids=ids, positions=pos, intermediate_tensors=None, inputs_embeds=None)
     except Exception as first:
         try:
-            with torch.inference_mode(), _no_compile(runner.model):
+            with torch.inference_mode(), _no_compile(model):
                 runner._dummy_run(n)
         except Exception as second:
             raise RuntimeError(

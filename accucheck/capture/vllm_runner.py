@@ -80,7 +80,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     incomplete and raises UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
-    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph).
+    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph);
+    meta "fusion_passes" (graph mode) which fusion passes are on and which matched less with the
+    taps in (vllm_facts.fusion_meta).
 
     Environment (set for the duration of the call, restored after): VLLM_USE_V2_MODEL_RUNNER=0,
     on the CPU with tensor parallel VLLM_CPU_OMP_THREADS_BIND (unless set), in graph mode
@@ -152,7 +154,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                             follow[r][1] if follow is not None else None})
                 for r in range(len(prompt_ids))]
 
-        check = None
+        check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
             # the untapped engine first (accucheck.capture.graph): its tokens and logits are
             # the run's; the tapped engine follows its tokens
@@ -160,8 +162,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                       forced is not None)
             t0 = time.monotonic()
-            tokens = _untapped_run(LLM, untapped, prompt_ids, params_for(forced), n_new,
-                                   int(hf_config.vocab_size), plugin.ENV, check)
+            tokens, untapped_workers = _untapped_run(
+                LLM, untapped, prompt_ids, params_for(forced), n_new,
+                int(hf_config.vocab_size), plugin.ENV, check)
             check.seconds = time.monotonic() - t0
             forced = [(ids, t) for ids, t in zip(prompt_ids, tokens)]
             dev.seed_everything(opts.seed, spec)
@@ -179,6 +182,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                          merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
                                              tp))
             meta["workers"] = vf.workers_meta(infos)
+            if opts.mode == "graph":
+                meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers,
+                                                       opts.observer_check)
             writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                    compression=opts.compression)
             complete = False
@@ -535,10 +541,11 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
 
 # -- writing ----------------------------------------------------------------------------------
 def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int, env: str,
-                  check: ObserverCheck) -> list[list[int]]:
+                  check: ObserverCheck) -> tuple[list[list[int]], list[dict]]:
     """Graph mode's observer check: one engine without the accucheck collector (its variable
     `env` unset while the engine loads the model), its logits per step kept in `check`; returns
-    the tokens it generated per request (the tapped engine is forced to them)."""
+    the tokens it generated per request (the tapped engine is forced to them) and its workers'
+    answers to accucheck_collect once started (their fusion passes: vllm_facts.fusion_meta)."""
     saved = os.environ.pop(env, None)
     try:
         llm = _engine(LLM, kwargs)
@@ -546,6 +553,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         if saved is not None:
             os.environ[env] = saved
     try:
+        workers = list(llm.collective_rpc(COLLECT))
         with interruptible():
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                    use_tqdm=False)
@@ -558,7 +566,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab)):
             check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
-    return tokens
+    return tokens, workers
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
