@@ -100,20 +100,22 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     spec = dev.parse_device(opts.device)
     dtype = _vllm_dtype(opts.dtype)
     if getattr(opts, "level", "module") != "module" or getattr(opts, "shadow", None):
-        raise UserError.usage("--level op and --shadow are not available with --runner vllm (the "
-                        "engine's fused kernels run outside Python): use --runner hf for them")
+        raise UserError.usage("--level op and --shadow are not available with --runner vllm "
+                              "(the engine's fused kernels run outside Python): use --runner hf "
+                              "for them")
     if opts.compile_backend:
-        raise UserError.usage("--compile-backend is for --runner hf; vLLM's graph mode is chosen with "
-                        "--engine-arg compilation_config='{\"cudagraph_mode\": \"PIECEWISE\"}'")
+        raise UserError.usage("--compile-backend is for --runner hf; vLLM's graph mode is "
+                              "chosen with --engine-arg compilation_config="
+                              "'{\"cudagraph_mode\": \"PIECEWISE\"}'")
     refuse_parallel(engine_kwargs)
     eager = opts.mode == "eager"
     if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
-        raise UserError.usage(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts --mode "
-                        f"{opts.mode}: drop enforce_eager, --mode sets it")
+        raise UserError.usage(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts "
+                              f"--mode {opts.mode}: drop enforce_eager, --mode sets it")
     for key, want in _FORCED_ENGINE.items():
         if key in engine_kwargs and engine_kwargs[key] != want:
-            raise UserError.usage(f"engine option {key}={engine_kwargs[key]!r} cannot be used for a "
-                            f"capture (it needs {key}={want!r}): drop it")
+            raise UserError.usage(f"engine option {key}={engine_kwargs[key]!r} cannot be used "
+                                  f"for a capture (it needs {key}={want!r}): drop it")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -241,8 +243,8 @@ def refuse_parallel(settings: dict) -> None:
 def _vllm_dtype(name: str | None) -> str:
     dtype = str(parse_dtype(name or "float32")).replace("torch.", "")
     if dtype not in VLLM_DTYPES:
-        raise UserError.usage(f"vLLM does not run {dtype}: use --dtype float32, bfloat16 or float16 "
-                        f"(a float64 reference needs --runner hf)")
+        raise UserError.usage(f"vLLM does not run {dtype}: use --dtype float32, bfloat16 or "
+                              f"float16 (a float64 reference needs --runner hf)")
     return dtype
 
 
