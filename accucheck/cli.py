@@ -271,7 +271,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
 
     declared = [parse_transform(t) for t in transforms]
     if fmt == "html" and not out:
-        raise UserError.usage("--format html writes a page: give -o FILE.html (e.g. -o diff.html)")
+        raise UserError.usage("--format html writes a page: give -o FILE.html "
+                              "(e.g. -o diff.html)")
     if out:
         _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden,
                                           **{f"--control #{i + 1}": c for i, c in enumerate(controls)}})
@@ -299,7 +300,12 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     while head:
         err(head.pop())
     result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
-    text = render(result, fmt)
+    if fmt == "html":
+        from accucheck.report.html_diff import to_html
+
+        text = to_html(result)
+    else:
+        text = render(result, fmt)
     if out:
         from accucheck.paths import write_atomic
 

@@ -1,5 +1,5 @@
-"""Render an Analysis (diff + locate) as table, json, csv, md or html (report.html_diff). Imports
-diff, locate; formats only.
+"""Render an Analysis (diff + locate) as table, json, csv or md. Imports diff, locate; formats only.
+The html page is report.html_diff's `to_html` (it imports this module, so not the other way).
 
 `render(analysis, fmt)` -> str. `verdict_line(analysis)` is the first line of every format:
 `PASS ...` or `FAIL: divergence starts at step S, <module> (<slot>): rel_l2 X, input rel_l2 Y
@@ -23,7 +23,7 @@ from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
 from accucheck.verdict.types import Divergence, RecordLocation
 
-FORMATS = ("table", "json", "csv", "md", "html")
+FORMATS = ("table", "json", "csv", "md")
 SCHEMA = "accucheck.diff"
 SCHEMA_VERSION = 1
 TOP_ROWS = 12        # worst records shown in table / md
@@ -41,10 +41,6 @@ def render(analysis: Analysis, fmt: str = "table") -> str:
         return to_csv(analysis)
     if fmt in ("table", "md"):
         return to_text(analysis, md=fmt == "md")
-    if fmt == "html":
-        from accucheck.report.html_diff import to_html  # it imports this module
-
-        return to_html(analysis)
     raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 

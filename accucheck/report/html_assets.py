@@ -60,11 +60,13 @@ var box=document.getElementById('detail'), pinned=null;
 function fmt(v){if(v===null||v===undefined)return '-';if(typeof v!=='number')return String(v);
  if(v===0)return '0';var a=Math.abs(v);return (a>=1e-3&&a<1e4)?v.toPrecision(3):v.toExponential(2);}
 function show(td){var c=cells[+td.getAttribute('data-c')];if(!c)return;
- var rows='';for(var i=0;i<F.length;i++){var v=c[i];if(v===null||v===''||(Array.isArray(v)&&!v.length))continue;
+ var rows='';for(var i=0;i<F.length;i++){var v=c[i];
+  if(v===null||v===''||(Array.isArray(v)&&!v.length))continue;
   if(Array.isArray(v))v=v.join(', ');
   rows+='<tr><td>'+F[i]+'</td><td>'+esc(i===0||i===1||i===11?String(v):fmt(v))+'</td></tr>';}
  box.innerHTML='<table>'+rows+'</table>'+(pinned?'<div>(pinned: click again to release)</div>':'');}
-function esc(s){return String(s).replace(/[&<>"]/g,function(ch){return {'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[ch];});}
+var ESC={'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'};
+function esc(s){return String(s).replace(/[&<>"]/g,function(ch){return ESC[ch];});}
 document.addEventListener('mouseover',function(e){var td=e.target.closest('td[data-c]');
  if(td&&!pinned)show(td);});
 document.addEventListener('click',function(e){var td=e.target.closest('td[data-c]');if(!td)return;

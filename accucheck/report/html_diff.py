@@ -6,9 +6,10 @@ and keys; formats only. Offline: inline CSS and script (report.html_assets), not
 
 A cell is one (step, layer, kind) over every request, call, operator and rank: it shows its
 worst record, by error / tolerance or, with control runs, by the record's excess over its
-site's threshold. Kinds: the module path below the layer ("self_attn.q_proj", the layer block itself "block"),
-" in.S" for recorded inputs (o_proj's input is the attention core's output), " out.S" for a
-second output; records outside the layers (embedding, final norm, logits) get their own row.
+site's threshold. Kinds: the module path below the layer ("self_attn.q_proj"; the layer block
+itself: "block"), " in.S" for recorded inputs (o_proj's input is the attention core's output),
+" out.S" for a second output; records outside the layers (embedding, final norm, logits) get
+their own row. A marked record (culprit, first divergence, SUSPICIOUS) is the one its cell shows.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class _Cell:
     value: float = -1.0               # worst error / tolerance (or excess / threshold)
     rec: RecordDiff | None = None
     loc: RecordLocation | None = None
-    noise: tuple = (None, None, None)  # control ratio, excess, threshold of the worst record
+    noise: tuple = (None, None, None)  # control ratio, excess, threshold of the record shown
+    pinned: bool = False              # `rec` is a marked record (shown whatever its error)
     records: int = 0
     judged: int = 0                   # records compared and judged here
     one_side: list = field(default_factory=list)  # "KEY (only in ref)" of missing records
@@ -122,6 +124,7 @@ def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
     cells: dict[Cell, _Cell] = {}
     kinds: dict[str, None] = {}
     outside: dict[str, None] = {}
+    marked = _marks(a)
     for r, loc in zip(d.records, L.records):
         c = cell_of(r.key)
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
@@ -138,35 +141,41 @@ def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
             v = r.error / tol if tol > 0 else (math.inf if r.error else 0.0)
             ns = (None, None, None)
         v = math.inf if math.isnan(v) else v
-        if x.rec is None or v > x.value:
-            x.value, x.rec, x.loc, x.noise = v, r, loc, ns
+        x.value = max(x.value, v)
+        pin = str(r.key) in marked
+        if x.rec is None or (pin and not x.pinned) or (v >= x.value and not x.pinned):
+            x.rec, x.loc, x.noise, x.pinned = r, loc, ns, pin
     for m in d.missing:
         key = RecordKey.parse(m.key)
         c = cell_of(key)
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
         cells.setdefault(c, _Cell()).one_side.append(f"{m.key} (only in {m.only_in})")
-    for c, mark in _marks(a, cells):
-        cells[c].marks.add(mark)
+    for k, ms in marked.items():
+        c = cells.get(cell_of(RecordKey.parse(k)))
+        if c is not None:
+            c.marks.update(ms)
     return cells, list(kinds), list(outside)
 
 
-def _marks(a: Analysis, cells: dict) -> list[tuple[Cell, str]]:
-    """(cell, mark) for the culprit, the first divergence, SUSPICIOUS records and, when no
-    record is named, the first record over tolerance."""
-    L, out = a.location, []
+def _marks(a: Analysis) -> dict[str, set[str]]:
+    """record key -> its marks: the culprit, the first divergence, SUSPICIOUS records and,
+    when no record is named, the first record over tolerance."""
+    L, out = a.location, {}
+    diffed = {str(r.key) for r in a.diff.records}
     cu = a.culprit
     if cu is not None:
         own = RecordKey(cu.req, cu.step, cu.module, cu.call, "out", "0")
-        for k in (own, cu.seen_at, cu.op_key):
-            if k is not None and cell_of(k) in cells:
-                out.append((cell_of(k), "culprit"))
-                break
+        k = next((str(k) for k in (own, cu.seen_at, cu.op_key)
+                  if k is not None and str(k) in diffed), None)
+        if k is not None:
+            out.setdefault(k, set()).add("culprit")
     if L.first_divergence is not None:
-        out.append((cell_of(L.first_divergence.key), "first"))
+        out.setdefault(str(L.first_divergence.key), set()).add("first")
     elif L.first_over is not None:
-        out.append((cell_of(L.first_over.key), "over"))
-    out += [(cell_of(s.key), "sus") for s in L.suspicious]
-    return [(c, m) for c, m in out if c in cells]
+        out.setdefault(str(L.first_over.key), set()).add("over")
+    for x in L.suspicious:
+        out.setdefault(str(x.key), set()).add("sus")
+    return out
 
 
 def _bucket(v: float) -> str:
@@ -266,9 +275,8 @@ def _curves(a: Analysis) -> str:
         s[p.layer] = max(s.get(p.layer, 0.0), p.rel_l2)
     if not pts:
         return "<p>no decoder-layer outputs recorded</p>"
-    tols = {str(r.key): r.tolerance.rel_l2 for r in d.records if r.key.module
-            in {p.key.module for p in L.curve}}
-    tol = max(tols.values(), default=0.0)
+    curve = {str(p.key) for p in L.curve}
+    tol = max((r.tolerance.rel_l2 for r in d.records if str(r.key) in curve), default=0.0)
     vals = [v for s in pts.values() for v in s.values() if 0 < v < math.inf] + \
         ([tol] if tol > 0 else [])
     lo = math.floor(math.log10(min(vals))) if vals else -8
