@@ -106,6 +106,8 @@ def test_planted_fault_cell_is_marked(planted):
     c = p.cell(td)
     assert c["key"] == f"r0.s0:{diffcases.NORM_FAULT}#0:out.0" and "culprit" in c["marks"]
     assert c["status"] == "introduced" and c["rel_l2"] > c["tolerance"]
+    assert len(c["per_request"]) == 2 and c["records"] == "2"  # the cell holds both requests
+    assert c["input_from"].endswith("[inputs]") and c["input_rel_l2"] == 0
     assert "\u2716" in text.split(f'data-c="{td["data-c"]}"', 1)[1][:3]  # its symbol
     (first,) = p.tds("m-first")
     assert first is td
@@ -236,6 +238,7 @@ def test_page_opens_in_headless_chromium(planted, clean, tmp_path):
             if name == "planted":
                 assert f"{diffcases.NORM_FAULT}#0:out.0" in got["shown"], got
                 assert "culprit" in got["shown"] and "introduced" in got["shown"]
+                assert "per_request" in got["shown"] and "NaN" not in got["shown"]
             assert got["visible"] == ["1"], got  # the step switch shows one panel
             height = min(int(got["height"]), 6000)
             dt.send("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": height,

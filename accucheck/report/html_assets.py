@@ -10,7 +10,9 @@ from __future__ import annotations
 
 # the order of a cell's fields in the JSON blob; the script names them in the same order
 FIELDS = ("key", "status", "rel_l2", "cosine", "max_abs", "tolerance", "control_ratio",
-          "excess", "threshold", "input_rel_l2", "records", "golden", "marks")
+          "excess", "threshold", "input_rel_l2", "input_from", "records", "per_request",
+          "golden", "marks")
+TEXT_FIELDS = ("key", "status", "input_from", "records", "golden")  # shown as they are
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:16px 24px;color:#222;background:#fff}
@@ -54,7 +56,7 @@ svg text{font:10px sans-serif}
 
 JS = """
 (function(){
-var F=%FIELDS%;
+var F=%FIELDS%, T=%TEXT_FIELDS%;
 var cells=JSON.parse(document.getElementById('acc-cells').textContent);
 var box=document.getElementById('detail'), pinned=null;
 function fmt(v){if(v===null||v===undefined)return '-';if(typeof v!=='number')return String(v);
@@ -62,8 +64,8 @@ function fmt(v){if(v===null||v===undefined)return '-';if(typeof v!=='number')ret
 function show(td){var c=cells[+td.getAttribute('data-c')];if(!c)return;
  var rows='';for(var i=0;i<F.length;i++){var v=c[i];
   if(v===null||v===''||(Array.isArray(v)&&!v.length))continue;
-  if(Array.isArray(v))v=v.join(', ');
-  rows+='<tr><td>'+F[i]+'</td><td>'+esc(i===0||i===1||i===11?String(v):fmt(v))+'</td></tr>';}
+  if(Array.isArray(v))v=v.map(fmt).join(', ');
+  rows+='<tr><td>'+F[i]+'</td><td>'+esc(T.indexOf(F[i])>=0?String(v):fmt(v))+'</td></tr>';}
  box.innerHTML='<table>'+rows+'</table>'+(pinned?'<div>(pinned: click again to release)</div>':'');}
 var ESC={'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'};
 function esc(s){return String(s).replace(/[&<>"]/g,function(ch){return ESC[ch];});}

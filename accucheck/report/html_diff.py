@@ -22,7 +22,7 @@ from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.keys import RecordKey, layer_kind, split_rank
 from accucheck.report.diff import _g, to_text, verdict_line
-from accucheck.report.html_assets import CSS, FIELDS, JS
+from accucheck.report.html_assets import CSS, FIELDS, JS, TEXT_FIELDS
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import RecordLocation
 
@@ -46,6 +46,7 @@ class _Cell:
     pinned: bool = False              # `rec` is a marked record (shown whatever its error)
     records: int = 0
     judged: int = 0                   # records compared and judged here
+    per_request: dict = field(default_factory=dict)  # request -> its largest rel_l2 here
     one_side: list = field(default_factory=list)  # "KEY (only in ref)" of missing records
     marks: set = field(default_factory=set)
 
@@ -87,7 +88,8 @@ def to_html(a: Analysis) -> str:
     first = a.location.first_divergence
     start = str(first.step) if first is not None else (str(steps[0]) if steps else "all")
     data = json.dumps(blob, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    js = JS.replace("%FIELDS%", json.dumps(list(FIELDS)))
+    js = JS.replace("%FIELDS%", json.dumps(list(FIELDS))).replace(
+        "%TEXT_FIELDS%", json.dumps(list(TEXT_FIELDS)))
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>accucheck diff: {a.verdict.upper()}</title><style>{CSS}</style></head><body>",
@@ -142,6 +144,8 @@ def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
             ns = (None, None, None)
         v = math.inf if math.isnan(v) else v
         x.value = max(x.value, v)
+        q = r.key.req
+        x.per_request[q] = max(x.per_request.get(q, 0.0), r.error)
         pin = str(r.key) in marked
         if x.rec is None or (pin and not x.pinned) or (v >= x.value and not x.pinned):
             x.rec, x.loc, x.noise, x.pinned = r, loc, ns, pin
@@ -200,16 +204,21 @@ def _row(x: _Cell) -> list:
     if x.rec is None:
         status = "one side only" if x.one_side else "not judged here (MoE routing)"
         key = x.one_side[0] if x.one_side else ""
-        return [key, status] + [None] * 8 + [x.records + len(x.one_side), None, marks]
+        return [key, status] + [None] * 9 + [str(x.records + len(x.one_side)), [], None, marks]
     r, loc, m = x.rec, x.loc, x.rec.metrics
     status = "pass" if r.within else ("shape differs" if r.basis == "shape"
                                       else loc.cause or "over")
     if r.within and not r.within_tolerance:
         status = "pass (golden referee)"
     n = f"{x.records}" + (f" (+{len(x.one_side)} one side only)" if x.one_side else "")
+    feeds = (loc.input_from[0] + (f" (+{len(loc.input_from) - 1})" if len(loc.input_from) > 1
+                                  else "") + f" [{loc.input_basis}]") if loc.input_from else None
+    reqs = [_n(x.per_request[q]) for q in sorted(x.per_request)] if len(x.per_request) > 1 \
+        else []
     return [str(r.key), status, _n(r.error), _n(m.cosine if m else None),
             _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), *map(_n, x.noise),
-            _n(loc.input_error), n, r.golden.label if r.golden is not None else None, marks]
+            _n(loc.input_error), feeds, n, reqs,
+            r.golden.label if r.golden is not None else None, marks]
 
 
 def _td(x: _Cell | None, blob: list) -> str:
