@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import shutil
 from html.parser import HTMLParser
@@ -22,8 +23,9 @@ import pytest
 import diffcases
 import htmlcases
 from accucheck.cli import main
+from accucheck.compare.tolerances import ToleranceTable
 from accucheck.report.diff import to_text, verdict_line
-from accucheck.report.html_diff import to_html
+from accucheck.report.html_diff import BUCKETS, to_html
 from accucheck.verdict.locate import analyze
 from test_diff import base, write
 
@@ -146,6 +148,32 @@ def test_not_compared_cells_carry_their_class(tmp_path):
     ok = [p.cell(t) for t in p.tds("z")]
     assert any(x["key"] == gone.replace(".s1:", ".s0:") for x in ok)
     assert all(not x["marks"] for x in ok)
+
+
+def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
+    rng = np.random.default_rng(5)
+    t = base(rng, steps=(0, 1), layers=6)
+
+    def noisy(fault: str | None = None) -> dict:
+        return {k: v * (1 + (1e-3 if fault and fault in k else 1e-6)
+                        * rng.standard_normal(v.shape)) for k, v in t.items()}
+    a = analyze(write(tmp_path / "ref.h5", t), write(tmp_path / "cand.h5",
+                                                       noisy("layers.3.mlp#")),
+                controls=[write(tmp_path / "ctl.h5", noisy())],
+                tolerances=ToleranceTable.from_options(rel_l2=1e-2))
+    assert a.location.noise is not None and a.culprit.module == "model.layers.3.mlp"
+    text = to_html(a)
+    p = Page(text)
+    assert "colour: excess over the control threshold" in text
+    (td,) = p.tds("m-culprit")
+    c = p.cell(td)
+    assert c["key"] == "r0.s0:model.layers.3.mlp#0:out.0" and c["excess"] > c["threshold"], c
+    ratio = c["excess"] / c["threshold"]
+    assert f"b{sum(math.log10(ratio) > b for b in BUCKETS)}" in td["class"]
+    # within the (loose) tolerance, more than the control's noise: coloured by the control
+    assert c["rel_l2"] < c["tolerance"]
+    ok = [p.cell(x) for x in p.tds("b0") + p.tds("b1") + p.tds("b2") + p.tds("b3")]
+    assert ok and all(x["excess"] is None or x["excess"] < x["threshold"] for x in ok)
 
 
 def test_nothing_is_loaded_from_outside(planted):
