@@ -68,6 +68,10 @@ def test_html_is_self_contained_with_real_plots(report):
     assert "FAIL: tiny-planted-fault" in text
     assert "CULPRIT: step 0, model.layers.2.post_attention_layernorm#0" in text
     assert '<tr class="differs"><td>planted fault</td>' in text
+    # the diff's own page beside it, named by a relative link, with the same culprit marked
+    assert '<a href="diff.html">diff.html</a>' in text
+    page = (report / "diff.html").read_text(encoding="utf-8")
+    assert len(re.findall(r'class="b[5-9] m-culprit m-first"', page)) == 1
 
 
 # ----------------------------------------------------------------------------- browser
