@@ -33,7 +33,7 @@ MARKS = (("culprit", "\u2716", "culprit (the module the verdict names)"),
          ("over", "\u25c6", "first record over tolerance (no culprit named)"))
 # colour buckets of log10(error / tolerance): b0..b4 within, b5..b9 over; z: identical
 BUCKETS = (-3.0, -2.0, -1.0, -0.3, 0.0, 0.3, 1.0, 2.0, 3.0)
-Cell = tuple  # (step, layer | None, kind)
+Cell = tuple[int, "int | None", str]  # (step, layer or None, kind)
 
 
 @dataclass
@@ -69,8 +69,8 @@ def cell_of(key: RecordKey) -> Cell:
 
 def to_html(a: Analysis) -> str:
     """The page. Same verdict as every other format: `verdict_line(a)` verbatim."""
-    d = a.diff
-    cells, kinds, outside = _cells(a)
+    d, cu = a.diff, a.culprit  # a property that searches: once
+    cells, kinds, outside = _cells(a, _marks(a, cu))
     steps = sorted({c[0] for c in cells})
     layers = sorted({c[1] for c in cells if c[1] is not None})
     blob: list[list] = []
@@ -78,11 +78,11 @@ def to_html(a: Analysis) -> str:
     verdict = verdict_line(a)
     cls = "pass" if a.within else "fail"
     culprit = ""
-    if a.culprit is not None:
+    if cu is not None:
         from accucheck.verdict.culprit import culprit_lines
 
         culprit = "<h2>Culprit</h2><pre id=\"culprit\">" + _e(
-            "\n".join(culprit_lines(a.culprit))) + "</pre>"
+            "\n".join(culprit_lines(cu))) + "</pre>"
     buttons = "".join(f'<button type="button" data-step="{s}">step {s}</button>'
                       for s in steps) + '<button type="button" data-step="all">all</button>'
     first = a.location.first_divergence
@@ -117,8 +117,9 @@ def _e(x: object) -> str:
 
 # ----------------------------------------------------------------------------- cells
 
-def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
-    """cell -> _Cell, the layer kinds and the outside-layer kinds in order of first appearance."""
+def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], list[str]]:
+    """cell -> _Cell, the layer kinds and the outside-layer kinds in order of first appearance;
+    `marked`: record key -> its marks (`_marks`)."""
     d, L = a.diff, a.location
     noise = L.noise
     by_key = {str(x.key): x for x in noise.records} if noise is not None else {}
@@ -126,7 +127,6 @@ def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
     cells: dict[Cell, _Cell] = {}
     kinds: dict[str, None] = {}
     outside: dict[str, None] = {}
-    marked = _marks(a)
     for r, loc in zip(d.records, L.records):
         c = cell_of(r.key)
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
@@ -161,12 +161,11 @@ def _cells(a: Analysis) -> tuple[dict, list[str], list[str]]:
     return cells, list(kinds), list(outside)
 
 
-def _marks(a: Analysis) -> dict[str, set[str]]:
-    """record key -> its marks: the culprit, the first divergence, SUSPICIOUS records and,
-    when no record is named, the first record over tolerance."""
+def _marks(a: Analysis, cu) -> dict[str, set[str]]:
+    """record key -> its marks: the culprit (`cu`, a.culprit), the first divergence,
+    SUSPICIOUS records and, when no record is named, the first record over tolerance."""
     L, out = a.location, {}
     diffed = {str(r.key) for r in a.diff.records}
-    cu = a.culprit
     if cu is not None:
         own = RecordKey(cu.req, cu.step, cu.module, cu.call, "out", "0")
         k = next((str(k) for k in (own, cu.seen_at, cu.op_key)
