@@ -174,6 +174,11 @@ def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
     assert c["rel_l2"] < c["tolerance"]
     ok = [p.cell(x) for x in p.tds("b0") + p.tds("b1") + p.tds("b2") + p.tds("b3")]
     assert ok and all(x["excess"] is None or x["excess"] < x["threshold"] for x in ok)
+    # the candidate's layer curve against the control's band (6 layers: 12 band corners)
+    svgs = {a["id"] for t, a in p.tags if t == "svg" and "id" in a}
+    assert svgs == {"curves", "control-curves"}
+    (band,) = [a for t, a in p.tags if t == "polygon"]
+    assert band["class"] == "band" and len(band["points"].split()) == 12
 
 
 def test_nothing_is_loaded_from_outside(planted):
@@ -184,6 +189,7 @@ def test_nothing_is_loaded_from_outside(planted):
         for attr in ("src", "href", "action", "data", "srcset"):
             assert attr not in a or not re.match(r"(?i)\s*(https?:)?//", a[attr]), (t, a)
     assert not re.search(r"(?i)url\(|@import|https?://", text.split("<h2>Text report", 1)[0])
+    assert 'id="curves"' in text and 'id="control-curves"' not in text  # no control run
     scripts = [a for t, a in p.tags if t == "script"]
     assert len(scripts) == 2 and not any("src" in a for a in scripts)
 

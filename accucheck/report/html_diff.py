@@ -275,22 +275,44 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def _curves(a: Analysis) -> str:
     """rel_l2 of each decoder layer's output (max over requests), one line per step, log
-    scale, with the layers' tolerance dashed."""
+    scale, with the layers' tolerance dashed; with control runs, a second chart: the
+    candidate's error at the layer outputs within the band of the controls' (their measure,
+    the mean elementwise relative error; max over requests and steps)."""
     L, d = a.location, a.diff
-    pts: dict[int, dict[int, float]] = {}
-    for p in L.curve:
-        s = pts.setdefault(p.step, {})
+    pts: dict[str, dict[int, float]] = {}
+    for p in sorted(L.curve, key=lambda p: p.step):
+        s = pts.setdefault(f"step {p.step}", {})
         s[p.layer] = max(s.get(p.layer, 0.0), p.rel_l2)
     if not pts:
         return "<p>no decoder-layer outputs recorded</p>"
-    curve = {str(p.key) for p in L.curve}
-    tol = max((r.tolerance.rel_l2 for r in d.records if str(r.key) in curve), default=0.0)
-    vals = [v for s in pts.values() for v in s.values() if 0 < v < math.inf] + \
-        ([tol] if tol > 0 else [])
+    curve = {str(p.key): p.layer for p in L.curve}
+    held = [(curve[str(r.key)], r) for r in d.records if str(r.key) in curve]
+    tol = max((r.tolerance.rel_l2 for _, r in held), default=0.0)
+    out = _chart("curves", pts, (tol, "tolerance") if tol > 0 else None)
+    band: dict[int, tuple[float, float]] = {}
+    cand: dict[int, float] = {}
+    for ly, r in held:
+        if r.control:
+            lo, hi = band.get(ly, (math.inf, 0.0))
+            band[ly] = (min(lo, min(r.control)), max(hi, max(r.control)))
+            cand[ly] = max(cand.get(ly, 0.0), r.elem_error)
+    if band:
+        out += ("<h3>Candidate against the control runs (mean elementwise relative error at "
+                "the layer outputs; the band: the controls')</h3>"
+                + _chart("control-curves", {"candidate": cand}, None, band))
+    return out
+
+
+def _chart(name: str, series: dict[str, dict[int, float]], hline: tuple | None,
+           band: dict[int, tuple[float, float]] | None = None) -> str:
+    """An inline SVG: x = layer, log-scale y, one polyline per series, an optional dashed
+    (value, label) line and a shaded (low, high) band per layer."""
+    vals = [v for s in series.values() for v in s.values() if 0 < v < math.inf]
+    vals += [v for b in (band or {}).values() for v in b if 0 < v < math.inf]
+    vals += [hline[0]] if hline else []
     lo = math.floor(math.log10(min(vals))) if vals else -8
-    hi = math.ceil(math.log10(max(vals))) if vals else 0
-    hi = max(hi, lo + 1)
-    layers = sorted({ly for s in pts.values() for ly in s})
+    hi = max(math.ceil(math.log10(max(vals))) if vals else 0, lo + 1)
+    layers = sorted({ly for s in series.values() for ly in s} | set(band or {}))
     W, H, X0, Y0 = 760, 280, 50, 20
     pw, ph = W - X0 - 110, H - Y0 - 30
 
@@ -300,27 +322,33 @@ def _curves(a: Analysis) -> str:
     def y(v: float) -> float:
         lv = min(max(math.log10(v), lo), hi) if v > 0 else lo
         return Y0 + ph * (hi - lv) / (hi - lo)
-    out = [f'<svg id="curves" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-           f'role="img">',
+    out = [f'<svg id="{name}" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img">',
            f'<rect x="{X0}" y="{Y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    for e in range(lo, hi + 1):
-        out.append(f'<text x="{X0 - 4}" y="{y(10.0 ** e) + 3:.1f}" text-anchor="end">1e{e}'
-                   f'</text>')
-    for ly in layers[::max(1, len(layers) // 16)]:
-        out.append(f'<text x="{x(ly):.1f}" y="{Y0 + ph + 14}" text-anchor="middle">{ly}</text>')
+    out += [f'<text x="{X0 - 4}" y="{y(10.0 ** e) + 3:.1f}" text-anchor="end">1e{e}</text>'
+            for e in range(lo, hi + 1)]
+    out += [f'<text x="{x(ly):.1f}" y="{Y0 + ph + 14}" text-anchor="middle">{ly}</text>'
+            for ly in layers[::max(1, len(layers) // 16)]]
     out.append(f'<text x="{X0 + pw / 2}" y="{H - 2}" text-anchor="middle">layer</text>')
-    if tol > 0:
-        out.append(f'<line x1="{X0}" x2="{X0 + pw}" y1="{y(tol):.1f}" y2="{y(tol):.1f}" '
+    if band:
+        ks = sorted(band)
+        edge = [f"{x(k):.1f},{y(band[k][1]):.1f}" for k in ks] + \
+            [f"{x(k):.1f},{y(band[k][0]):.1f}" for k in reversed(ks)]
+        out.append(f'<polygon class="band" points="{" ".join(edge)}" fill="#9ecae1" '
+                   f'fill-opacity="0.5" stroke="none"/><text x="{X0 + pw + 4}" '
+                   f'y="{Y0 + 12}" fill="#3182bd">controls</text>')
+    if hline:
+        yy = y(hline[0])
+        out.append(f'<line x1="{X0}" x2="{X0 + pw}" y1="{yy:.1f}" y2="{yy:.1f}" '
                    f'stroke="#c0392b" stroke-dasharray="4 3"/><text x="{X0 + pw + 4}" '
-                   f'y="{y(tol) + 3:.1f}" fill="#c0392b">tolerance</text>')
-    for i, (s, ys) in enumerate(sorted(pts.items())):
+                   f'y="{yy + 3:.1f}" fill="#c0392b">{_e(hline[1])}</text>')
+    for i, (label, ys) in enumerate(series.items()):
         c = PALETTE[i % len(PALETTE)]
         line = " ".join(f"{x(ly):.1f},{y(ys[ly]):.1f}" for ly in layers if ly in ys)
-        out.append(f'<polyline class="curve" data-step="{s}" fill="none" stroke="{c}" '
-                   f'stroke-width="1.5" points="{line}"/>')
+        out.append(f'<polyline class="curve" fill="none" stroke="{c}" stroke-width="1.5" '
+                   f'points="{line}"><title>{_e(label)}</title></polyline>')
         if i < 12:
-            out.append(f'<text x="{X0 + pw + 4}" y="{Y0 + 24 + 12 * i}" fill="{c}">step {s}'
-                       f"</text>")
+            out.append(f'<text x="{X0 + pw + 4}" y="{Y0 + 36 + 12 * i}" fill="{c}">'
+                       f"{_e(label)}</text>")
     return "".join(out) + "</svg>"
 
 
