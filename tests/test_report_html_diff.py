@@ -10,6 +10,7 @@ pipe (tests/browser.py), marked `browser`, skipped only when no chromium binary 
 from __future__ import annotations
 
 import base64
+import html
 import json
 import math
 import re
@@ -26,8 +27,10 @@ from accucheck.cli import main
 from accucheck.compare.tolerances import ToleranceTable
 from accucheck.report.diff import to_text, verdict_line
 from accucheck.report.html_diff import BUCKETS, to_html
+from accucheck.report.routing import routing_lines
 from accucheck.verdict.locate import analyze
 from test_diff import base, write
+from test_moe import GATE, moe  # noqa: F401 (the fixture)
 
 MAX_DEEP_PAGE = 4 << 20  # bytes, the 80 x 15 x 8 x 4 page (bench/bench_html_diff.py)
 
@@ -179,6 +182,20 @@ def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
     assert svgs == {"curves", "control-curves"}
     (band,) = [a for t, a in p.tags if t == "polygon"]
     assert band["class"] == "band" and len(band["points"].split()) == 12
+
+
+def test_moe_routing_is_shown_and_the_router_marked(moe):
+    _, cap, _ = moe
+    a = analyze(cap("ref"), cap("shift", fault=(GATE.format(1), "router:3:0.3")))
+    assert a.culprit.module == GATE.format(1) and a.diff.routing is not None
+    text = to_html(a)
+    p = Page(text)
+    assert p.verdict == verdict_line(a)
+    (td,) = p.tds("m-culprit")
+    assert p.cell(td)["key"].startswith(f"r0.s0:{GATE.format(1)}#")  # the router's cell
+    routing = text.split('<pre id="routing">', 1)[1].split("</pre>", 1)[0]
+    assert html.unescape(routing) == "\n".join(routing_lines(a.diff.routing, "simple"))
+    assert "mlp.gate" in routing
 
 
 def test_nothing_is_loaded_from_outside(planted):

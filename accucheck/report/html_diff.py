@@ -23,6 +23,7 @@ from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.keys import RecordKey, layer_kind, split_rank
 from accucheck.report.diff import _g, to_text, verdict_line
 from accucheck.report.html_assets import CSS, FIELDS, JS, TEXT_FIELDS
+from accucheck.report.routing import routing_lines
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import RecordLocation
 
@@ -105,6 +106,7 @@ def to_html(a: Analysis) -> str:
         "</div><div id=\"detail\">hover a cell for its metrics; click to pin</div></div>",
         "<h2>Error per layer</h2>", _curves(a),
         "<h2>Logits</h2>", _logits(d),
+        _routing(d),
         "<h2>Text report</h2><details><summary>the same diff as text</summary><pre>",
         _e(to_text(a)), "</pre></details>",
         f"<script type=\"application/json\" id=\"acc-cells\">{data}</script>",
@@ -373,6 +375,14 @@ def _logits(d: DiffResult) -> str:
         for f in d.flips[:50])
     more = f"<p>... {len(d.flips) - 50} more (--format json)</p>" if len(d.flips) > 50 else ""
     return out + f'<p>token flips:</p><ul id="flips">{items}</ul>{more}'
+
+
+def _routing(d: DiffResult) -> str:
+    """MoE routing agreement per router, as the text report says it (report.routing)."""
+    if d.routing is None:
+        return ""
+    return ('<h2>MoE routing</h2><pre id="routing">'
+            + _e("\n".join(routing_lines(d.routing, "simple"))) + "</pre>")
 
 
 def _kl_bars(s) -> str:
