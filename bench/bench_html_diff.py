@@ -2,13 +2,14 @@
 synthetic 80-layer, 15-kind, 8-step, 4-request diff. Not a test; one run, prints a table.
 
     python bench/bench_html_diff.py [--layers 80] [--steps 8] [--reqs 4] [--workdir DIR]
-                                    [--repeat 3] [--out page.html]
+                                    [--repeat 3] [--out page.html] [--browser]
 
 The captures are tests/htmlcases.py's deep_pair (tiny [1, n, 8] tensors, a 1e-3 fault from
 layer 40's post_attention_layernorm on): what the page costs depends on the number of records,
 not their size. Writing and diffing them is timed too (the diff's cost, for scale), then the
 page is rendered `--repeat` times (best and median) and its bytes are split into the cells'
-JSON blob, the heatmap markup and the rest.
+JSON blob, the heatmap markup and the rest. --browser: also the time headless Chromium takes to
+load the page (a new tab, navigation, the script run, to the load event; tests/browser.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write the page here")
+    ap.add_argument("--browser", action="store_true", help="time Chromium loading the page")
     args = ap.parse_args()
     import htmlcases
     from accucheck.report.diff import verdict_line
@@ -70,6 +72,29 @@ def main() -> None:
     if args.out:
         args.out.write_text(page, encoding="utf-8")
         print(f"wrote {args.out}")
+    if args.browser:
+        load, problems = browser_load(page)
+        print(f"chromium load    {load:8.2f} s (to the load event), problems: {problems or 'none'}")
+
+
+def browser_load(page: str) -> tuple[float, list[str]]:
+    """Seconds from navigation to the load event in headless Chromium, and its problems."""
+    from browser import DevTools, chromium, open_page
+
+    binary = chromium()
+    if binary is None:
+        raise SystemExit("chromium not installed (Debian: apt-get install -y chromium)")
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "page.html"
+        f.write_text(page, encoding="utf-8")
+        dt = DevTools(binary, Path(tmp) / "profile", Path(tmp) / "chromium.log")
+        try:
+            open_page(dt, "about:blank")
+            t = time.perf_counter()
+            _, problems, _ = open_page(dt, f.as_uri())
+            return time.perf_counter() - t - 0.3, problems  # open_page waits 0.3 s after load
+        finally:
+            dt.close()
 
 
 if __name__ == "__main__":
