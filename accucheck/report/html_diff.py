@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
-from accucheck.keys import RecordKey, layer_kind, split_rank
+from accucheck.keys import RecordKey, layer_kind, rank_slot, split_rank
 from accucheck.report.diff import _g, to_text, verdict_line
 from accucheck.report.html_assets import CSS, FIELDS, JS, TEXT_FIELDS
 from accucheck.report.routing import routing_lines
@@ -169,7 +169,8 @@ def _marks(a: Analysis, cu) -> dict[str, set[str]]:
     L, out = a.location, {}
     diffed = {str(r.key) for r in a.diff.records}
     if cu is not None:
-        own = RecordKey(cu.req, cu.step, cu.module, cu.call, "out", "0")
+        own = RecordKey(cu.req, cu.step, cu.module, cu.call, "out",
+                        "0" if cu.rank is None else rank_slot("0", cu.rank))
         k = next((str(k) for k in (own, cu.seen_at, cu.op_key)
                   if k is not None and str(k) in diffed), None)
         if k is not None:
