@@ -153,6 +153,20 @@ def test_not_compared_cells_carry_their_class(tmp_path):
     assert all(not x["marks"] for x in ok)
 
 
+def test_a_statistics_only_record_says_its_error_is_a_lower_bound(tmp_path):
+    t = base(np.random.default_rng(3))
+    c = dict(t)
+    k = "r0.s0:model.layers.1.mlp#0:out.0"
+    c[k] = t[k] * 1.01
+    a = analyze(write(tmp_path / "a.h5", t, store="stats"),
+                write(tmp_path / "b.h5", c, store="stats"))
+    p = Page(to_html(a))
+    tds = p.tds("z") + [td for i in range(10) for td in p.tds(f"b{i}")]
+    cells = {x["key"]: x for x in map(p.cell, tds)}
+    assert cells[k]["basis"] == "statistics only: rel_l2 is a lower bound"
+    assert cells[k]["rel_l2"] >= 0.0099 and cells[k]["status"] != "pass"
+
+
 def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
     rng = np.random.default_rng(5)
     t = base(rng, steps=(0, 1), layers=6)

@@ -9,10 +9,10 @@ metrics, click to pin it).
 from __future__ import annotations
 
 # the order of a cell's fields in the JSON blob; the script names them in the same order
-FIELDS = ("key", "status", "rel_l2", "cosine", "max_abs", "tolerance", "control_ratio",
+FIELDS = ("key", "status", "basis", "rel_l2", "cosine", "max_abs", "tolerance", "control_ratio",
           "excess", "threshold", "input_rel_l2", "input_from", "records", "per_request",
           "golden", "marks")
-TEXT_FIELDS = ("key", "status", "input_from", "records", "golden")  # shown as they are
+TEXT_FIELDS = ("key", "status", "basis", "input_from", "records", "golden")  # shown as they are
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:16px 24px;color:#222;background:#fff}

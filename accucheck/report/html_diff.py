@@ -35,6 +35,10 @@ MARKS = (("culprit", "\u2716", "culprit (the module the verdict names)"),
 # colour buckets of log10(error / tolerance): b0..b4 within, b5..b9 over; z: identical
 BUCKETS = (-3.0, -2.0, -1.0, -0.3, 0.0, 0.3, 1.0, 2.0, 3.0)
 Cell = tuple[int, "int | None", str]  # (step, layer or None, kind)
+# a record not compared on its tensors: what its rel_l2 is (shown in the detail box)
+BASES = {"stats": "statistics only: rel_l2 is a lower bound",
+         "sample": "statistics and sampled values: rel_l2 is an estimate",
+         "shape": "shapes differ"}
 
 
 @dataclass
@@ -206,7 +210,7 @@ def _row(x: _Cell) -> list:
     if x.rec is None:
         status = "one side only" if x.one_side else "not judged here (MoE routing)"
         key = x.one_side[0] if x.one_side else ""
-        return [key, status] + [None] * 9 + [str(x.records + len(x.one_side)), [], None, marks]
+        return [key, status] + [None] * 10 + [str(x.records + len(x.one_side)), [], None, marks]
     r, loc, m = x.rec, x.loc, x.rec.metrics
     status = "pass" if r.within else ("shape differs" if r.basis == "shape"
                                       else loc.cause or "over")
@@ -217,7 +221,8 @@ def _row(x: _Cell) -> list:
                                   else "") + f" [{loc.input_basis}]") if loc.input_from else None
     reqs = [_n(x.per_request[q]) for q in sorted(x.per_request)] if len(x.per_request) > 1 \
         else []
-    return [str(r.key), status, _n(r.error), _n(m.cosine if m else None),
+    basis = None if r.basis == "tensor" else BASES.get(r.basis, r.basis)
+    return [str(r.key), status, basis, _n(r.error), _n(m.cosine if m else None),
             _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), *map(_n, x.noise),
             _n(loc.input_error), feeds, n, reqs,
             r.golden.label if r.golden is not None else None, marks]
