@@ -27,7 +27,7 @@ pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}
 #detail{position:sticky;top:8px;min-width:300px;max-width:380px;font:12px/1.5 ui-monospace,
  monospace;border:1px solid #ccc;border-radius:4px;padding:8px;background:#fafafa;
  word-break:break-all}
-#detail table td{padding:0 6px 0 0}
+#detail table td{padding:0 6px 0 0;vertical-align:top}#detail table td:first-child{white-space:nowrap}
 .steps button{margin:0 4px 4px 0;padding:2px 8px;border:1px solid #888;background:#fff;
  border-radius:3px;cursor:pointer}
 .steps button.on{background:#333;color:#fff}
