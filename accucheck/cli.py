@@ -226,8 +226,9 @@ def inspect(capture_file, pattern, step, limit, fmt):
                    "device, forced to REF's tokens (`capture --control-for REF`); the candidate "
                    "is then judged against its noise, record by record (repeatable); `auto`: "
                    "made here from REF's model directory, beside CAND (CAND.control.h5)")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md"]),
-              default="table", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md", "html"]),
+              default="table", show_default=True,
+              help="html: one self-contained page (heatmap, curves, logits); needs -o")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
               help="write the report here instead of stdout (refused if it exists unless --force)")
 @click.option("--force", is_flag=True, help="overwrite -o")
@@ -271,6 +272,9 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     from accucheck.compare.transforms import parse_transform
 
     declared = [parse_transform(t) for t in transforms]
+    if fmt == "html" and not out:
+        raise UserError.usage("--format html writes a page: give -o FILE.html "
+                              "(e.g. -o diff.html)")
     if out:
         _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden,
                                           **{f"--control #{i + 1}": c for i, c in enumerate(controls)}})
@@ -298,7 +302,12 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     while head:
         err(head.pop())
     result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
-    text = render(result, fmt)
+    if fmt == "html":
+        from accucheck.report.html_diff import to_html
+
+        text = to_html(result)
+    else:
+        text = render(result, fmt)
     if out:
         from accucheck.paths import write_atomic
 

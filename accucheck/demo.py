@@ -18,8 +18,9 @@ DEMO_STEPS = 4
 
 def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
              log: Callable[[str], None]) -> int:
-    """Write ref.h5 / cand.h5 into out_dir and echo the comparison. Returns 0 when the diff
-    names the planted module as where divergence starts, 1 otherwise."""
+    """Write ref.h5 / cand.h5 and the diff as a page (diff.html) into out_dir and echo the
+    comparison. Returns 0 when the diff names the planted module as where divergence starts,
+    1 otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from accucheck.capture.api import capture_model
@@ -27,8 +28,8 @@ def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
     from accucheck.capture.tiny import tiny_model_dir
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    ref, cand = out_dir / "ref.h5", out_dir / "cand.h5"
-    for p in (ref, cand):
+    ref, cand, page = out_dir / "ref.h5", out_dir / "cand.h5", out_dir / "diff.html"
+    for p in (ref, cand, page):
         if p.exists() and not force:
             raise UserError(f"{p} exists from an earlier demo: pass --force or another --out-dir")
     log("building the tiny model (offline, deterministic) ...")
@@ -45,11 +46,16 @@ def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
                       max_new_tokens=DEMO_STEPS, tokens_from=str(ref), force=force,
                       meta_extra={"model_path": str(mdir), "planted_fault": f"{fault} @ {module}"})
     from accucheck.verdict.locate import analyze
+    from accucheck.paths import write_atomic
     from accucheck.report.diff import render
+    from accucheck.report.html_diff import to_html
 
     log(f"accucheck diff {ref} {cand}")
     analysis = analyze(ref, cand)
     echo(render(analysis, "table"))
+    write_atomic(page, to_html(analysis))
+    log(f"the same diff as a page (heatmap, curves, logits): {page}  (accucheck diff {ref} "
+        f"{cand} --format html -o {page})")
     fd = analysis.location.first_divergence
     found = fd is not None and fd.key.module == module
     log(("PASS demo: " if found else "FAIL demo: ") + f"planted {fault} in {module}; the diff "

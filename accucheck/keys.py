@@ -125,6 +125,16 @@ def layer_of(module: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def layer_kind(module: str) -> tuple[int | None, str]:
+    """(decoder-layer number, the module's kind inside its layer): "model.layers.10.self_attn.
+    q_proj" -> (10, "self_attn.q_proj"), the layer block itself -> (10, ""), numbered parts
+    below the layer wildcarded ("mlp.experts.*.down_proj"); (None, module) outside layers."""
+    m = re.search(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)", module)
+    if not m:
+        return None, module
+    return int(m.group(1)), _INDEX.sub(".*", "." + module[m.end():])[1:]
+
+
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 

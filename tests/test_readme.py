@@ -29,6 +29,9 @@ def test_demo_names_the_planted_module(tmp_path, capsys, monkeypatch):
                           "model.layers.2.post_attention_layernorm (out.0)")
     assert "introduced here" in out
     assert "PASS demo" in err
+    page = tmp_path / "demo" / "diff.html"
+    assert f"the same diff as a page (heatmap, curves, logits): {page}" in err
+    assert page.read_text().count('id="verdict" class="fail">FAIL: divergence starts') == 1
     # a second run refuses to overwrite the demo's files
     with pytest.raises(SystemExit) as e:
         main(["demo", "--out-dir", str(tmp_path / "demo")])

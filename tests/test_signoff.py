@@ -73,7 +73,7 @@ def test_identical_runs_pass(identical):
     # no [golden] table: the default float64 CPU referee was captured and judged
     assert doc["runs"]["golden"]["label"] == "cpu float64 eager (hf)"
     assert doc["first_divergence"] is None
-    for name in ("report.md", "report.html", "diff.json", "captures/candidate.h5",
+    for name in ("report.md", "report.html", "diff.json", "diff.html", "captures/candidate.h5",
                  *doc["files"]["plots"]):
         assert (out / name).is_file(), name
     assert json.loads((out / "diff.json").read_text())["schema"] == "accucheck.diff"

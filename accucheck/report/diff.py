@@ -1,4 +1,5 @@
 """Render an Analysis (diff + locate) as table, json, csv or md. Imports diff, locate; formats only.
+The html page is report.html_diff's `to_html` (it imports this module, so not the other way).
 
 `render(analysis, fmt)` -> str. `verdict_line(analysis)` is the first line of every format:
 `PASS ...` or `FAIL: divergence starts at step S, <module> (<slot>): rel_l2 X, input rel_l2 Y

@@ -26,6 +26,7 @@ from accucheck.compare.observer import observer_effect
 from accucheck.keys import layer_of
 from accucheck.report.diff import BASIS_MARK
 from accucheck.report.diff import to_json as diff_to_json
+from accucheck.report.html_diff import to_html as diff_to_html
 from accucheck.report.plots import PLOTS, make_plots
 from accucheck.report.signoff_result import SignoffResult, fmt_number, fmt_pct, worst_records
 from accucheck.verdict.noise import layer_ratios
@@ -40,9 +41,10 @@ def write_report(result: SignoffResult, out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     diff_doc = diff_to_json(result.analysis)
     (out / "diff.json").write_text(json.dumps(diff_doc, indent=1) + "\n", encoding="utf-8")
+    (out / "diff.html").write_text(diff_to_html(result.analysis), encoding="utf-8")
     pngs, plot_note = make_plots(result)
     files = {"json": "report.json", "markdown": "report.md", "html": "report.html",
-             "diff": "diff.json"}
+             "diff": "diff.json", "diff_html": "diff.html"}
     if pngs:
         (out / "plots").mkdir(exist_ok=True)
         for name, data in pngs.items():
@@ -146,7 +148,7 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "planted_faults": r.planted_faults,
         "notes": list(r.analysis.diff.notes),
         "files": {"markdown": "report.md", "html": "report.html", "diff": "diff.json",
-                  "plots": [f"plots/{p}.png" for p in plots]},
+                  "diff_html": "diff.html", "plots": [f"plots/{p}.png" for p in plots]},
         "seconds": round(r.seconds, 3),
     }
     return _num(doc)
@@ -522,6 +524,8 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
                       ["differs" if e.differs else "" for e in r.environment])]
     b += ["<h2>First divergence</h2>", "<ul>"] + [f"<li>{_e(x)}</li>"
                                                   for x in divergence_lines(r)] + ["</ul>"]
+    b.append('<p>The whole diff as a page, the model as a heatmap: '
+             '<a href="diff.html">diff.html</a></p>')
     b.append("<h2>Plots</h2>")
     if pngs:
         b.append('<div class="plots">')

@@ -13,7 +13,7 @@ scenario, store, verdict, report (its records, the diff's JSON), tolerances; the
 3. checks: per-record tolerances (with a control instead: no site more than its noise), optional per-layer rel L2 / cosine, logits KL, top-1 agreement,
    token agreement, allowed near-tie and real token flips, regression against the last release;
 4. OUT_DIR/report.md, report.html (self-contained), report.json (docs/signoff-json.md),
-   diff.json (the full diff, docs/diff-json.md), plots/*.png.
+   diff.json (the full diff, docs/diff-json.md), diff.html (the diff as a page), plots/*.png.
 
 The sign-off passes when every check passes. Metrics are never recomputed here: everything is
 read from the diff's Analysis.
@@ -40,7 +40,7 @@ from accucheck.signoff.scenario import TINY_MODELS, Scenario, load_scenario, wit
 from accucheck.verdict.locate import Analysis, analyze
 
 Progress = Callable[[str], None]
-REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "plots")
+REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "diff.html", "plots")
 ROLES = ("reference", "candidate", "golden", "control")
 # Headline metrics compared against the last release: name -> which direction is better.
 METRIC_DIRECTIONS = {
