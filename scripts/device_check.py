@@ -12,6 +12,7 @@ empty. Exit: 0 every step that ran passed, 1 a diff found a divergence, 2 bad fl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -24,8 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's accucheck reads the captures too
 sys.path.insert(0, str(ROOT / "scripts"))
-
-import json  # noqa: E402
 
 from device_check_facts import capture_facts, render, summary  # noqa: E402
 
