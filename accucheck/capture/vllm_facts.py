@@ -14,6 +14,7 @@ logprobs_mode (vllm-ascend's AscendSampler is built without it and defaults to r
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import sys
 
@@ -34,7 +35,10 @@ MATCH_TABLE_MODULES = ("vllm.compilation.passes.vllm_inductor_pass",
 
 
 def _name(value) -> str | int | None:
-    """An enum as its name (CompilationMode.VLLM_COMPILE -> "VLLM_COMPILE"), else as is."""
+    """An enum as its name (CompilationMode.VLLM_COMPILE -> "VLLM_COMPILE", an IntEnum too:
+    vLLM's CompilationMode is one, and 2 says less than DYNAMO_TRACE_ONCE), else as is."""
+    if isinstance(value, enum.Enum):
+        return str(value.name)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(getattr(value, "name", value))
