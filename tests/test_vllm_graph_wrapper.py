@@ -13,10 +13,8 @@ import torch
 pytest.importorskip("vllm")
 
 import vllm_fakes as fk  # noqa: E402
-from accucheck.capture import vllm_plugin as plugin  # noqa: E402
 from accucheck.capture.vllm_facts import model_of  # noqa: E402
 
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
 LAYER = "model.layers.0"
 
 
@@ -47,13 +45,7 @@ class GraphRunner(fk.Runner):
 
 
 def _capture(runner, **cfg) -> tuple[dict, set]:
-    col = fk.attach(runner, full=True, **cfg)
-    reqs = [(f"r{i}", i, p) for i, p in enumerate(PROMPTS)]
-    fk.step(runner, reqs, {rid: p for rid, _i, p in reqs})
-    fk.step(runner, reqs, {"r0": [3], "r1": [4]})
-    out = col.drain()
-    assert out["errors"] == []
-    recs = [plugin.Record.from_wire(w) for w in out["records"]]
+    out, recs = fk.prefill_and_decode(runner, **cfg)
     return out, {(r.req, r.step, r.module, r.role) for r in recs}
 
 

@@ -14,22 +14,14 @@ import torch
 pytest.importorskip("vllm")
 
 import vllm_fakes as fk  # noqa: E402
-from accucheck.capture import vllm_plugin as plugin  # noqa: E402
 
 GATES = ("model.layers.0.mlp.gate", "model.layers.1.mlp.gate")
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+PROMPTS = fk.PROMPTS
 
 
 def _run(variant: str) -> tuple[list, dict]:
     """A prefill and a decode step of two requests; the records drained, by key."""
-    runner = fk.Runner(fk.MoEModel(variant))
-    col = fk.attach(runner, full=True)
-    reqs = [(f"r{i}", i, p) for i, p in enumerate(PROMPTS)]
-    fk.step(runner, reqs, {rid: p for rid, _i, p in reqs})
-    fk.step(runner, reqs, {"r0": [3], "r1": [4]})
-    out = col.drain()
-    assert out["errors"] == []
-    recs = [plugin.Record.from_wire(w) for w in out["records"]]
+    out, recs = fk.prefill_and_decode(fk.Runner(fk.MoEModel(variant)))
     by_key = {}
     for r in recs:
         key = (r.req, r.step, r.module, r.call, r.slot)

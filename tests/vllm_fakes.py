@@ -270,6 +270,23 @@ def attach(runner: Runner, **cfg):
     return runner._accucheck
 
 
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+
+
+def prefill_and_decode(runner: Runner, **cfg) -> tuple[dict, list]:
+    """PROMPTS' prefill and one decode step through the plugin's Collector attached to
+    `runner` with `cfg` (full store): (what it drained, its records), no error."""
+    from accucheck.capture import vllm_plugin as plugin
+
+    col = attach(runner, **{"full": True, **cfg})
+    reqs = [(f"r{i}", i, p) for i, p in enumerate(PROMPTS)]
+    step(runner, reqs, {rid: p for rid, _i, p in reqs})
+    step(runner, reqs, {"r0": [3], "r1": [4]})
+    out = col.drain()
+    assert out["errors"] == []
+    return out, [plugin.Record.from_wire(w) for w in out["records"]]
+
 def _flat(rows: list[np.ndarray | None]):
     ids, vals, starts, ends, n = [], [], [], [], 0
     for row in rows:
