@@ -5,7 +5,8 @@
 Stages, bottom to top: bottom (store, keys, errors, prompts, paths, coverage, the package
 itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
 __main__). capture and importers are a side branch over the bottom: capture imports the bottom
-only, importers the bottom and capture; matrix and signoff may use capture (to run engines and
+only, importers the bottom and capture; impact (swaps recorded tensors into a model run) the
+bottom and capture, and only the top layer imports it; matrix and signoff may use capture (to run engines and
 capture runs), the top layer anything.
 """
 from __future__ import annotations
@@ -22,19 +23,20 @@ BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
           "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.inspect", "accucheck.replay",
        "accucheck.__main__"}
-PACKAGES = ("capture", "importers", "compare", "verdict", "report", "matrix", "signoff")
+PACKAGES = ("capture", "importers", "impact", "compare", "verdict", "report", "matrix", "signoff")
 # stage -> the stages its modules may import (its own included)
 ALLOWED = {
     "bottom": {"bottom"},
     "capture": {"bottom", "capture"},
     "importers": {"bottom", "capture", "importers"},
+    "impact": {"bottom", "capture", "impact"},
     "compare": {"bottom", "compare"},
     "verdict": {"bottom", "compare", "verdict"},
     "report": {"bottom", "compare", "verdict", "report"},
     "matrix": {"bottom", "compare", "verdict", "report", "capture", "matrix"},
     "signoff": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture"},
     "top": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture",
-            "importers", "top"},
+            "importers", "impact", "top"},
 }
 # no torch (nor anything that imports it: capture) on the diff path
 TORCH_FREE = {"bottom", "compare", "verdict", "report"}

@@ -1,0 +1,220 @@
+"""`accucheck impact`: check every input, run the candidate teacher-forced to the reference's
+tokens, patch each site with the reference's tensor (and the control's), and measure the share
+of the output gap each recovers. Imports torch, bottom (store, keys, paths, errors) and capture
+(the HF loader and runner, faults); the CLI is a thin layer over `impact_dir`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from accucheck.capture import device as dev
+from accucheck.capture.hf import check_model_dir, config_hash, load_model_dir, parse_dtype
+from accucheck.errors import UserError
+from accucheck.impact.gap import Gap, recovered
+from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, forced_pass,
+                                    load_plan, logits_gap, patched, plan_site, ref_logits,
+                                    requests_of)
+from accucheck.impact.result import ImpactResult, SiteImpact
+from accucheck.keys import is_layer_block, layer_of
+from accucheck.paths import check_not_input, check_output_file
+from accucheck.store import CaptureReader, open_capture
+
+
+@dataclass(frozen=True)
+class ImpactOptions:
+    """device / dtype: where and how the candidate runs (dtype default float32). include:
+    globs on module paths (default: the decoder layer blocks). control: a control capture of
+    REF (`capture --control-for REF`) whose tensors give each site's noise band. bisect: patch
+    the children of the K blocks that recover most. plant: (module, fault) pairs planted in
+    the candidate (accucheck.capture.faults; demos and tests)."""
+    device: str = "cpu"
+    dtype: str | None = None
+    include: tuple[str, ...] = ()
+    control: str | None = None
+    bisect: int = 0
+    plant: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.bisect < 0:
+            raise UserError.usage("--bisect K needs K >= 0")
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+        dev.parse_device(self.device)
+
+
+def check_capture(path: str | Path, flag: str) -> None:
+    """A capture that can serve as REF / --control: opens complete, holds tensors, prompts and
+    a full logits record at every step (UserError, exit 3, one line)."""
+    with open_capture(path) as r:
+        if r.store_mode != "full":
+            raise UserError(f"{flag} {path}: it holds statistics only; impact swaps recorded "
+                            f"tensors in: capture it with --store full")
+        if not r.requests:
+            raise UserError(f"{flag} {path}: it holds no prompts")
+        ref_logits(r, requests_of(r), flag)
+
+
+def impact_dir(ref: str | Path, model_dir: str | Path, opts: ImpactOptions, *,
+               out: str | Path | None = None, force: bool = False,
+               trust_remote_code: bool = False,
+               progress: Callable[[str], None] | None = None) -> ImpactResult:
+    """Check every input (REF, --control, the output path, the model directory), then load
+    the model on `opts.device` in `opts.dtype` and measure (`impact_model`)."""
+    if out is not None:
+        check_not_input(out, {"REF": str(ref), "--control": opts.control})
+        check_output_file(out, force)
+    check_capture(ref, "REF")
+    if opts.control:
+        check_capture(opts.control, "--control")
+    check_model_dir(model_dir, trust_remote_code=trust_remote_code)
+    dtype = parse_dtype(opts.dtype or "float32")
+    tdev = dev.torch_device(dev.parse_device(opts.device))
+    model, _ = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
+    return impact_model(ref, model, opts, progress=progress)
+
+
+def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None = None, *,
+                 progress: Callable[[str], None] | None = None) -> ImpactResult:
+    """Measure on `model` as it is (its device and dtype; not modified: hooks are removed
+    afterwards). Raises UserError for inputs that do not fit the model."""
+    opts = opts or ImpactOptions()
+    say = progress or (lambda _msg: None)
+    with contextlib.ExitStack() as stack:
+        r = stack.enter_context(open_capture(ref))
+        c = stack.enter_context(open_capture(opts.control)) if opts.control else None
+        for cap, flag in ((r, "REF"), (c, "--control")):
+            if cap is not None and cap.store_mode != "full":
+                raise UserError(f"{flag} {cap.path}: it holds statistics only; capture it "
+                                f"with --store full")
+        requests = requests_of(r)
+        _check_model(model, r, requests)
+        if c is not None and requests_of(c) != requests:
+            raise UserError(f"--control {c.path}: it follows other prompts or tokens than "
+                            f"REF; make it with `accucheck capture MODEL --control-for {r.path}`")
+        from accucheck.capture.faults import planted
+
+        for module, fault in opts.plant:
+            stack.enter_context(planted(model, module, fault))
+        run = _Runs(model, requests, ref_logits(r, requests, "REF"), say)
+        return _measure(run, r, c, model, opts, requests)
+
+
+class _Runs:
+    """Counts and times the teacher-forced runs."""
+
+    def __init__(self, model: nn.Module, requests, ref: dict, say: Callable[[str], None]):
+        self.model, self.requests, self.ref, self.say = model, requests, ref, say
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.count, self.seconds = 0, 0.0
+        self.state = StepState()
+
+    def gap(self, patches: Sequence[tuple[Plan, dict]] = ()) -> Gap:
+        t = time.perf_counter()
+        with patched(self.model, patches, self.state):
+            g = forced_pass(self.model, self.requests, self.device, self.ref, self.state)
+        self.count += 1
+        self.seconds += time.perf_counter() - t
+        return g
+
+
+def _check_model(model: nn.Module, r: CaptureReader, requests) -> None:
+    want = r.meta.get("model", {}).get("config_hash")
+    if want and config_hash(model) and want != config_hash(model):
+        raise UserError(f"REF {r.path}: captured with another model (config hash {want} vs "
+                        f"{config_hash(model)}); give the model REF was captured with")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise UserError("impact needs a causal LM (a model with an output head)")
+    vocab = head.weight.shape[0]
+    if any(t >= vocab for q in requests for t in q.prompt_ids + q.generated):
+        raise UserError(f"REF {r.path}: token ids beyond this model's vocabulary ({vocab})")
+
+
+def select_sites(model: nn.Module, include: Sequence[str]) -> list[str]:
+    """Module paths to patch in named_modules order: the decoder layer blocks, or the modules
+    matching `include`."""
+    names = [n for n, _ in model.named_modules() if n]
+    if include:
+        return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in include)]
+    return [n for n in names if is_layer_block(n)]
+
+
+def _plans(model: nn.Module, cap: CaptureReader, requests, sites: Sequence[str]
+           ) -> dict[str, Plan | str]:
+    index = OutputIndex(cap)
+    names = [n for n, _ in model.named_modules() if n]
+    blocks = [n for n in names if is_layer_block(n)]
+    embed = next((n for n in names if n.split(".")[-1] in EMBED_NAMES and layer_of(n) is None),
+                 None)
+    return {s: plan_site(index, s, requests, block=s in blocks, blocks=blocks, embed=embed)
+            for s in sites}
+
+
+def _site(run: _Runs, r: CaptureReader, c: CaptureReader | None, plan: Plan,
+          cplan: Plan | str | None, base: Gap, level: str) -> SiteImpact:
+    run.say(f"impact: patching {plan.site} ({plan.mode}), run {run.count + 1}")
+    g = run.gap([(plan, load_plan(r, plan, run.device, run.dtype))])
+    band_gap = None
+    if isinstance(cplan, Plan):
+        band_gap = run.gap([(cplan, load_plan(c, cplan, run.device, run.dtype))])
+    return SiteImpact(plan.site, level, plan.mode, g, recovered(base, g),
+                      recovered(base, band_gap) if band_gap is not None else None,
+                      None if c is None or band_gap is not None else str(cplan))
+
+
+def _measure(run: _Runs, r: CaptureReader, c: CaptureReader | None, model: nn.Module,
+             opts: ImpactOptions, requests) -> ImpactResult:
+    sites = select_sites(model, opts.include)
+    if not sites:
+        raise UserError("no module matches --include: run `accucheck capture MODEL "
+                        "--list-modules` to see the module paths")
+    plans = _plans(model, r, requests, sites)
+    cplans = _plans(model, c, requests, sites) if c is not None else {}
+    usable = [p for p in plans.values() if isinstance(p, Plan)]
+    skipped = tuple((s, p) for s, p in plans.items() if isinstance(p, str))
+    if not usable:
+        raise UserError(f"REF {r.path}: no selected site can be patched ({skipped[0][0]}: "
+                        f"{skipped[0][1]}); capture REF with --store full and the default "
+                        f"module selection")
+    run.say(f"impact: baseline run ({len(requests)} prompt(s), teacher-forced to REF)")
+    base = run.gap()
+    ctl_gap = logits_gap(run.ref, ref_logits(c, requests, "--control"), requests) \
+        if c is not None else None
+    result = dict(baseline=base, control_gap=ctl_gap, skipped=skipped, sites=(), together=None,
+                  children=())
+    if not base.is_zero():
+        rows = [_site(run, r, c, p, cplans.get(p.site), base, "site") for p in usable]
+        run.say(f"impact: patching all {len(usable)} sites together")
+        g = run.gap([(p, load_plan(r, p, run.device, run.dtype)) for p in usable])
+        together = SiteImpact(f"all {len(usable)} sites", "all", "-", g, recovered(base, g),
+                              None, None)
+        result.update(sites=tuple(rows), together=together,
+                      children=_bisect(run, r, c, model, rows, opts.bisect, requests, base))
+    return ImpactResult(ref=str(r.path), control=str(c.path) if c is not None else None,
+                        device=str(run.device), dtype=str(run.dtype).replace("torch.", ""),
+                        runs=run.count, seconds=run.seconds, bisect=opts.bisect, **result)
+
+
+def _bisect(run: _Runs, r, c, model: nn.Module, rows: Sequence[SiteImpact], k: int,
+            requests, base: Gap) -> tuple[SiteImpact, ...]:
+    """Inside the k blocks that recover most, patch each direct child module."""
+    blocks = [s for s in rows if s.mode == "update"]
+    top = sorted(blocks, key=lambda s: -s.score())[:k]
+    mods = dict(model.named_modules())
+    out = []
+    for b in top:
+        children = [f"{b.site}.{n}" for n, _ in mods[b.site].named_children()]
+        plans = _plans(model, r, requests, children)
+        cplans = _plans(model, c, requests, children) if c is not None else {}
+        out += [_site(run, r, c, p, cplans.get(p.site), base, "child")
+                for p in plans.values() if isinstance(p, Plan)]
+    return tuple(out)

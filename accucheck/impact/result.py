@@ -1,0 +1,128 @@
+"""The impact result: per site the share of the output gap it recovers, with its noise band;
+its JSON form ({"format": "accucheck-impact", "version": 1}) and its text table. Imports
+impact.gap only (no torch), so a reader of impact.json needs nothing heavy.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from accucheck.impact.gap import METRICS, Gap
+
+FORMAT = "accucheck-impact"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class SiteImpact:
+    """One patched site. recovered / band: metric -> share of the baseline gap recovered by
+    the reference's / the control's tensor (None: no gap on that metric); band_missing: why the
+    control could not patch this site."""
+    site: str
+    level: str  # "site" (selected), "child" (--bisect) or "all" (every site at once)
+    mode: str  # "update" (a layer block's residual update), "output", "-" for all
+    gap: Gap
+    recovered: dict
+    band: dict | None
+    band_missing: str | None
+
+    def score(self) -> float:
+        """The ranking key: recovered |Δ logprob|, else KL, else flips."""
+        for m in METRICS:
+            v = self.recovered.get(m)
+            if v is not None and math.isfinite(v):
+                return v
+        return -math.inf
+
+    def as_dict(self) -> dict:
+        return {"site": self.site, "level": self.level, "mode": self.mode,
+                "patched_gap": self.gap.as_dict(), "recovered": self.recovered,
+                "band": self.band, "band_missing": self.band_missing}
+
+
+@dataclass(frozen=True)
+class ImpactResult:
+    ref: str
+    control: str | None
+    device: str
+    dtype: str
+    baseline: Gap
+    control_gap: Gap | None
+    sites: tuple[SiteImpact, ...]
+    together: SiteImpact | None
+    children: tuple[SiteImpact, ...]
+    skipped: tuple[tuple[str, str], ...]
+    runs: int
+    seconds: float
+    bisect: int
+
+    @property
+    def no_gap(self) -> bool:
+        return self.baseline.is_zero()
+
+    def top(self) -> SiteImpact | None:
+        """The site that recovers most (children included), None without a gap."""
+        rows = list(self.sites) + list(self.children)
+        return max(rows, key=lambda s: s.score()) if rows else None
+
+    def headline(self) -> str:
+        if self.no_gap:
+            return (f"no output gap: the candidate's logits match REF's (mean |Δ logprob| "
+                    f"{self.baseline.logprob:.3g}, KL {self.baseline.kl:.3g}, 0 flips); "
+                    f"nothing to recover")
+        t = self.top()
+        return (f"{t.site} recovers {_pct(t.recovered.get('logprob'))} of the |Δ logprob| gap "
+                f"({_pct(t.recovered.get('kl'))} of KL, {_pct(t.recovered.get('flips'))} of "
+                f"flips)")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "ref": self.ref, "control": self.control,
+                "device": self.device, "dtype": self.dtype, "method": "denoising",
+                "baseline": self.baseline.as_dict(), "no_gap": self.no_gap,
+                "control_gap": self.control_gap.as_dict() if self.control_gap else None,
+                "sites": [s.as_dict() for s in self.sites],
+                "all_sites": self.together.as_dict() if self.together else None,
+                "bisect": {"k": self.bisect, "children": [s.as_dict() for s in self.children]},
+                "not_patchable": [{"site": s, "why": w} for s, w in self.skipped],
+                "runs": {"count": self.runs, "seconds": round(self.seconds, 3)},
+                "headline": self.headline()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f} %"
+
+
+def _band(s: SiteImpact) -> str:
+    if s.band is not None:
+        return " / ".join(_pct(s.band.get(m)) for m in METRICS)
+    return "-" if s.band_missing is None else "not patchable"
+
+
+def render(res: ImpactResult) -> str:
+    """The text table: one row per site, recovered share per metric, and the band."""
+    from tabulate import tabulate
+
+    b = res.baseline
+    lines = [f"impact of {res.ref} on the candidate ({res.device}, {res.dtype}), teacher-forced:",
+             f"baseline gap: mean |Δ logprob| {b.logprob:.4g} over {b.targeted} tokens, mean "
+             f"KL {b.kl:.4g} over {b.positions} positions, {b.flips} token flip(s)"]
+    if res.control_gap is not None:
+        g = res.control_gap
+        lines.append(f"control's own gap: mean |Δ logprob| {g.logprob:.4g}, mean KL {g.kl:.4g},"
+                     f" {g.flips} flip(s)")
+    rows = list(res.sites) + ([res.together] if res.together else []) + list(res.children)
+    if rows:
+        heads = ["site", "patch", "Δlogprob rec", "KL rec", "flips rec", "band (lp / KL / fl)"]
+        table = [[s.site if s.level != "child" else "  " + s.site, s.mode,
+                  *(_pct(s.recovered.get(m)) for m in METRICS), _band(s)] for s in rows]
+        lines.append(tabulate(table, heads, disable_numparse=True))
+    for site, why in res.skipped:
+        lines.append(f"not patchable: {site}: {why}")
+    lines.append(f"{res.runs} forward run(s) (teacher-forced, every prompt and step) in "
+                 f"{res.seconds:.2f} s")
+    lines.append(res.headline())
+    return "\n".join(lines) + "\n"
