@@ -458,6 +458,57 @@ def replay(ref, ops, device, golden, limit, fmt):
     return result.exit_code
 
 
+def _plants(pairs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for pair in pairs:
+        module, sep, fault = pair.partition("=")
+        if not sep or not module or not fault:
+            raise UserError.usage(f"--plant {pair!r}: use MODULE=FAULT, e.g. "
+                                  f"model.layers.1.post_attention_layernorm=norm:part:0.3")
+        out.append((module, fault))
+    return tuple(out)
+
+
+@cli.command()
+@click.argument("ref", type=click.Path(dir_okay=False))
+@click.argument("model")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:i] or npu[:i]")
+@click.option("--dtype", default="float32", show_default=True,
+              help="the candidate's dtype: float32, float16, bfloat16 or float64")
+@click.option("--include", multiple=True,
+              help="glob on module paths to patch (default: the decoder layer blocks)")
+@click.option("--control", type=click.Path(dir_okay=False),
+              help="control capture of REF (capture --control-for REF): its tensors patched "
+                   "in give each site's noise band")
+@click.option("--bisect", type=click.IntRange(min=0), default=0, show_default=True,
+              help="then patch the child modules of the K blocks that recover most")
+@click.option("--plant", "plants", multiple=True, metavar="MODULE=FAULT",
+              help="plant a fault in the candidate (accucheck.capture.faults; demos, tests)")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
+              help="write the result as JSON (refused if it exists unless --force)")
+@click.option("--force", is_flag=True, help="overwrite -o")
+@click.option("--trust-remote-code", is_flag=True, help="run the model directory's own code")
+def impact(ref, model, device, dtype, include, control, bisect, plants, out, force,
+           trust_remote_code):
+    """Which difference matters: run MODEL (a directory, or @tiny) teacher-forced to REF's
+    tokens (REF: a --store full capture) with each site's output swapped for REF's recorded
+    tensor, and print the share of the logit gap each site recovers (docs/impact.md)."""
+    from accucheck.impact.api import ImpactOptions, impact_dir
+    from accucheck.impact.result import render
+
+    opts = ImpactOptions(device=device, dtype=dtype, include=tuple(include), control=control,
+                         bisect=bisect, plant=_plants(plants))
+    res = impact_dir(ref, _model_dir(model), opts, out=out, force=force,
+                     trust_remote_code=trust_remote_code, progress=err)
+    click.echo(render(res), nl=False)
+    if out:
+        from accucheck.paths import write_atomic
+
+        write_atomic(out, res.dumps())
+        err(f"wrote {out}")
+    return 0
+
+
 @cli.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -1,0 +1,187 @@
+"""accucheck impact (issue 38): denoising on the tiny Llama with a planted fault. The reference
+is the clean model (--store full); the candidate the same weights with one fault planted."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from accucheck.capture.api import capture_model
+from accucheck.cli import main
+from accucheck.errors import UserError
+from accucheck.impact.api import ImpactOptions, impact_model
+from accucheck.impact.gap import Gap, GapSum, log_softmax, recovered
+from accucheck.impact.patch import StepState, patched
+from accucheck.impact.result import render
+
+PROMPTS = ["The quick brown fox jumps", "Greedy decoding picks"]
+FAULT_LAYER = 1
+FAULT = (f"model.layers.{FAULT_LAYER}.post_attention_layernorm", "norm:part:0.1")
+BLOCKS = [f"model.layers.{i}" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny, tmp_path_factory):
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("impact") / "ref.h5"
+    return capture_model(model, PROMPTS, out, tokenizer=tok, store="full", max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny, ref):
+    return impact_model(ref, tiny[0], ImpactOptions(plant=(FAULT,), bisect=1))
+
+
+def rec(res, site, metric="logprob"):
+    return next(s for s in list(res.sites) + list(res.children)
+                if s.site == site).recovered[metric]
+
+
+def hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_faulty_block_recovers_the_gap_and_the_others_less(faulty, tiny):
+    res = faulty
+    assert res.baseline.logprob > 1e-3 and res.baseline.flips >= 1
+    assert [s.site for s in res.sites] == BLOCKS
+    for metric in ("logprob", "kl", "flips"):
+        assert rec(res, BLOCKS[FAULT_LAYER], metric) > 0.95
+    # upstream of the fault nothing differs; downstream blocks recover only the part of the
+    # gap that is their reaction to the error they inherit
+    assert abs(rec(res, BLOCKS[0])) < 0.01 and abs(rec(res, BLOCKS[0], "kl")) < 0.01
+    for site in BLOCKS[FAULT_LAYER + 1:]:
+        assert rec(res, site) < rec(res, BLOCKS[FAULT_LAYER]) - 0.3
+    assert res.together.recovered["logprob"] == pytest.approx(1.0, abs=1e-3)
+    assert res.together.recovered["kl"] == pytest.approx(1.0, abs=1e-3)
+    assert hook_count(tiny[0]) == 0
+
+
+def test_bisect_patches_the_children_of_the_top_block(faulty):
+    res = faulty
+    children = {s.site.rsplit(".", 1)[1]: s.recovered["logprob"] for s in res.children}
+    assert set(children) == {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    assert children["post_attention_layernorm"] > 0.95 and children["mlp"] > 0.95
+    assert abs(children["self_attn"]) < 0.01 and abs(children["input_layernorm"]) < 0.01
+    # baseline + 4 blocks + all together + 4 children
+    assert res.runs == 10 and res.seconds > 0
+    assert res.top().site.startswith(BLOCKS[FAULT_LAYER])
+    text = render(res)
+    assert "10 forward run(s)" in text and "model.layers.1.post_attention_layernorm" in text
+
+
+def test_a_clean_candidate_has_no_gap_and_says_so(tiny, ref):
+    res = impact_model(ref, tiny[0])
+    assert res.no_gap and res.baseline.flips == 0 and res.baseline.logprob < 1e-6
+    assert res.sites == () and res.runs == 1
+    assert "no output gap" in render(res)
+    assert res.to_json()["no_gap"] is True
+
+
+def test_include_patches_the_matching_modules(tiny, ref):
+    res = impact_model(ref, tiny[0], ImpactOptions(plant=(FAULT,),
+                                                   include=("*.layers.1.mlp", "*.layers.2.mlp")))
+    assert [s.site for s in res.sites] == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    assert all(s.mode == "output" for s in res.sites)
+    assert rec(res, "model.layers.1.mlp") > 0.95
+    with pytest.raises(UserError, match="no module matches"):
+        impact_model(ref, tiny[0], ImpactOptions(include=("nothing*",)))
+
+
+def test_the_control_band(tiny, ref, tmp_path):
+    """A control made of the clean model (a dithered run forced to REF's tokens): patching its
+    tensor at the faulty block recovers the fault too; the band is there for every site."""
+    from accucheck.capture.emulate import emulated
+
+    model, tok = tiny
+    ctl = tmp_path / "ctl.h5"
+    with emulated(model, "dither"):
+        capture_model(model, PROMPTS, ctl, tokenizer=tok, store="full", max_new_tokens=4,
+                      tokens_from=str(ref))
+    res = impact_model(ref, model, ImpactOptions(plant=(FAULT,), control=str(ctl)))
+    assert all(s.band is not None for s in res.sites)
+    assert res.sites[FAULT_LAYER].band["logprob"] > 0.8
+    assert res.control_gap is not None and res.runs == 1 + 2 * 4 + 1
+    assert "band" in render(res)
+    other = tmp_path / "other.h5"
+    capture_model(model, ["another prompt"], other, tokenizer=tok, store="full",
+                  max_new_tokens=4)
+    with pytest.raises(UserError, match="other prompts or tokens"):
+        impact_model(ref, model, ImpactOptions(control=str(other)))
+
+
+def test_hooks_are_removed_when_the_forward_raises(tiny):
+    model = tiny[0]
+    with pytest.raises(RuntimeError):
+        with patched(model, [], StepState()):
+            raise RuntimeError("boom")
+    assert hook_count(model) == 0
+
+
+def test_gap_metrics():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 8))
+    ref = log_softmax(logits)
+    same = GapSum()
+    same.add(ref, logits, np.array([1, 2, -1]))
+    g = same.gap()
+    assert g.logprob == pytest.approx(0, abs=1e-12) and g.kl == pytest.approx(0, abs=1e-12)
+    assert (g.flips, g.positions, g.targeted) == (0, 3, 2)
+    flipped = logits.copy()
+    flipped[0, ref[0].argmin()] = 100.0
+    moved = GapSum()
+    moved.add(ref, flipped, np.array([1, 2, -1]))
+    assert moved.gap().flips == 1 and moved.gap().kl > 1
+    zero = Gap(0.0, 0.0, 0, 3, 2)
+    assert recovered(zero, moved.gap()) == {"logprob": None, "kl": None, "flips": None}
+    assert recovered(moved.gap(), zero) == {"logprob": 1.0, "kl": 1.0, "flips": 1.0}
+
+
+def run(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("accucheck: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_cli_writes_json_and_refuses_to_overwrite(tiny, tiny_dir, ref, tmp_path, capsys):
+    out = tmp_path / "impact.json"
+    code, text, err = run(["impact", ref, tiny_dir, "--plant", "=".join(FAULT), "-o", out],
+                          capsys)
+    assert code == 0, err
+    assert "model.layers.1" in text and "forward run(s)" in text
+    data = json.loads(out.read_text())
+    assert data["format"] == "accucheck-impact" and data["version"] == 1
+    assert data["sites"][FAULT_LAYER]["recovered"]["logprob"] > 0.95
+    before = out.read_text()
+    code, _, err = run(["impact", ref, tiny_dir, "-o", out], capsys)
+    assert code == 3 and "--force" in one_line_error(err)
+    assert out.read_text() == before
+
+
+def test_cli_bad_inputs(tiny, tiny_dir, ref, tmp_path, capsys):
+    model, tok = tiny
+    stats = capture_model(model, PROMPTS[:1], tmp_path / "stats.h5", tokenizer=tok,
+                          store="stats", max_new_tokens=1)
+    code, _, err = run(["impact", stats, tiny_dir], capsys)
+    assert code == 3 and "--store full" in one_line_error(err)
+    code, _, err = run(["impact", tmp_path / "missing.h5", tiny_dir], capsys)
+    assert code == 3 and "no such capture file" in one_line_error(err)
+    code, _, err = run(["impact", ref, tiny_dir, "--control", stats], capsys)
+    assert code == 3 and "--control" in one_line_error(err)
+    code, _, err = run(["impact", ref, tmp_path / "no-model"], capsys)
+    assert code == 3 and "does not exist" in one_line_error(err)
+    code, _, err = run(["impact", ref, tiny_dir, "--plant", "nofault"], capsys)
+    assert code == 2 and "MODULE=FAULT" in one_line_error(err)
+    code, _, err = run(["impact", ref, tiny_dir, "--bisect", "-1"], capsys)
+    assert code == 2
+    code, _, err = run(["impact", ref, tiny_dir, "-o", ref], capsys)
+    assert code == 2 and "never an output" in one_line_error(err)
+    assert not (tmp_path / "impact.json").exists()
