@@ -63,8 +63,20 @@ class ImpactResult:
 
     def top(self) -> SiteImpact | None:
         """The site that recovers most (children included), None without a gap."""
+        return self.leaders()[0] if self.leaders() else None
+
+    def leaders(self, within: float = 0.01) -> list[SiteImpact]:
+        """The sites whose share is within `within` of the best, finest first: a child of a
+        block replaces the block (denoising cannot tell a module from its only consumer: a norm
+        and the MLP it feeds recover alike)."""
         rows = list(self.sites) + list(self.children)
-        return max(rows, key=lambda s: s.score()) if rows else None
+        if not rows:
+            return []
+        best = max(s.score() for s in rows)
+        tied = [s for s in rows if s.score() >= best - within]
+        kids = [s for s in tied if s.level == "child"]
+        return kids + [s for s in tied if s.level != "child"
+                       and not any(k.site.startswith(s.site + ".") for k in kids)]
 
     def headline(self) -> str:
         if self.no_gap:
@@ -72,7 +84,9 @@ class ImpactResult:
                     f"{self.baseline.logprob:.3g}, KL {self.baseline.kl:.3g}, 0 flips); "
                     f"nothing to recover")
         t = self.top()
-        return (f"{t.site} recovers {_pct(t.recovered.get('logprob'))} of the |Δ logprob| gap "
+        names = " and ".join(s.site for s in self.leaders())
+        verb = "recovers" if len(self.leaders()) == 1 else "each recover"
+        return (f"{names} {verb} {_pct(t.recovered.get('logprob'))} of the |Δ logprob| gap "
                 f"({_pct(t.recovered.get('kl'))} of KL, {_pct(t.recovered.get('flips'))} of "
                 f"flips)")
 
@@ -86,14 +100,14 @@ class ImpactResult:
                 "bisect": {"k": self.bisect, "children": [s.as_dict() for s in self.children]},
                 "not_patchable": [{"site": s, "why": w} for s, w in self.skipped],
                 "runs": {"count": self.runs, "seconds": round(self.seconds, 3)},
-                "headline": self.headline()}
+                "leaders": [s.site for s in self.leaders()], "headline": self.headline()}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
 
 def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{100 * v:.0f} %"
+    return "n/a" if v is None else f"{round(100 * v)} %"
 
 
 def _band(s: SiteImpact) -> str:
