@@ -58,6 +58,26 @@ def test_the_faulty_block_recovers_the_gap_and_the_others_less(faulty, tiny):
     assert hook_count(tiny[0]) == 0
 
 
+def test_replacing_a_whole_block_output_would_name_no_block(tiny, ref):
+    """Why blocks are patched by their update (docs/impact.md): a block's output is the
+    residual stream, and replacing it recovers the whole gap at every block after the fault."""
+    from accucheck.capture.faults import planted
+    from accucheck.impact.patch import (OutputIndex, forced_pass, load_plan, plan_site,
+                                        ref_logits, requests_of)
+    from accucheck.store import open_capture
+
+    model = tiny[0]
+    with open_capture(ref) as r, planted(model, *FAULT):
+        requests, state = requests_of(r), StepState()
+        logits, index = ref_logits(r, requests, "REF"), OutputIndex(r)
+        base = forced_pass(model, requests, "cpu", logits, state)
+        for site in BLOCKS[FAULT_LAYER:]:
+            plan = plan_site(index, site, requests, block=False)
+            with patched(model, [(plan, load_plan(r, plan, "cpu", model.dtype))], state):
+                g = forced_pass(model, requests, "cpu", logits, state)
+            assert recovered(base, g)["logprob"] > 0.99, site
+
+
 def test_bisect_patches_the_children_of_the_top_block(faulty):
     res = faulty
     children = {s.site.rsplit(".", 1)[1]: s.recovered["logprob"] for s in res.children}
