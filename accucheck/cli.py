@@ -255,8 +255,12 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--allow-model-mismatch", is_flag=True,
               help="compare captures of different model configs (e.g. a checkpoint conversion);"
                    " refused by default")
+@click.option("--impact", "impact_file", type=click.Path(dir_okay=False),
+              help="an `accucheck impact` result (-o JSON): show the share of the logit gap "
+                   "the culprit recovers (--format table, md or json)")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
-         include, transforms, amplification, allow_incomplete, allow_model_mismatch):
+         include, transforms, amplification, allow_incomplete, allow_model_mismatch,
+         impact_file=None):
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
@@ -275,6 +279,12 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     if fmt == "html" and not out:
         raise UserError.usage("--format html writes a page: give -o FILE.html "
                               "(e.g. -o diff.html)")
+    if impact_file and fmt not in ("table", "md", "json"):
+        raise UserError.usage("--impact goes with --format table, md or json")
+    if impact_file:
+        from accucheck.impact.join import read_impact
+
+        impact_data = read_impact(impact_file)
     if out:
         _check_report_output(out, force, {"REF": ref, "CAND": cand, "--golden": golden,
                                           **{f"--control #{i + 1}": c for i, c in enumerate(controls)}})
@@ -308,6 +318,10 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
         text = to_html(result)
     else:
         text = render(result, fmt)
+    if impact_file:
+        from accucheck.impact.join import with_impact
+
+        text = with_impact(text, fmt, impact_data, result.culprit, impact_file)
     if out:
         from accucheck.paths import write_atomic
 

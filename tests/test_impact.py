@@ -110,13 +110,18 @@ def test_include_patches_the_matching_modules(tiny, ref):
 
 
 def test_the_control_band(tiny, ref, tmp_path):
-    """A control made of the clean model (a dithered run forced to REF's tokens): patching its
-    tensor at the faulty block recovers the fault too; the band is there for every site."""
-    from accucheck.capture.emulate import emulated
+    """A control made of the clean model (another correct device: relative noise 1e-5 on every
+    block's output, forced to REF's tokens): patching its tensor at the faulty block recovers
+    the fault too; the band is there for every site."""
+    from contextlib import ExitStack
+
+    from accucheck.capture.faults import planted
 
     model, tok = tiny
     ctl = tmp_path / "ctl.h5"
-    with emulated(model, "dither"):
+    with ExitStack() as stack:
+        for i, block in enumerate(BLOCKS):
+            stack.enter_context(planted(model, block, "noise:1e-5", seed=i))
         capture_model(model, PROMPTS, ctl, tokenizer=tok, store="full", max_new_tokens=4,
                       tokens_from=str(ref))
     res = impact_model(ref, model, ImpactOptions(plant=(FAULT,), control=str(ctl)))
@@ -205,3 +210,42 @@ def test_cli_bad_inputs(tiny, tiny_dir, ref, tmp_path, capsys):
     code, _, err = run(["impact", ref, tiny_dir, "-o", ref], capsys)
     assert code == 2 and "never an output" in one_line_error(err)
     assert not (tmp_path / "impact.json").exists()
+
+
+def test_diff_shows_what_the_culprit_recovers(tiny, ref, faulty, tmp_path, capsys):
+    from accucheck.capture.faults import planted
+
+    model, tok = tiny
+    cand = tmp_path / "cand.h5"
+    with planted(model, *FAULT):
+        capture_model(model, PROMPTS, cand, tokenizer=tok, store="full", max_new_tokens=4,
+                      tokens_from=str(ref))
+    imp = tmp_path / "impact.json"
+    imp.write_text(faulty.dumps())
+    code, text, err = run(["diff", ref, cand, "--impact", imp], capsys)
+    assert code == 1, err
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("CULPRIT:"))
+    assert FAULT[0] in lines[at]
+    assert lines[at + 1].strip().startswith(f"impact: {FAULT[0]} recovers 100 % of the logit gap")
+    code, text, _ = run(["diff", ref, cand, "--impact", imp, "--format", "json"], capsys)
+    assert json.loads(text)["impact"]["site"]["site"] == FAULT[0]
+    code, _, err = run(["diff", ref, cand, "--impact", imp, "--format", "csv"], capsys)
+    assert code == 2 and "--impact" in one_line_error(err)
+    code, _, err = run(["diff", ref, cand, "--impact", ref], capsys)
+    assert code == 3 and "not readable JSON" in one_line_error(err)
+    imp.write_text(json.dumps({**faulty.to_json(), "version": 99}))
+    code, _, err = run(["diff", ref, cand, "--impact", imp], capsys)
+    assert code == 3 and "re-run `accucheck impact`" in one_line_error(err)
+
+
+def test_impact_line_says_when_the_culprit_explains_little(faulty):
+    from accucheck.impact.join import impact_line
+
+    data = faulty.to_json()
+    line = impact_line(data, "model.layers.1.self_attn.o_proj", "i.json")
+    assert line.startswith("impact: model.layers.1.self_attn.o_proj (its enclosing "
+                           "model.layers.1.self_attn) recovers 0 %")
+    assert "it explains little: model.layers.1" in line
+    assert "no culprit named" in impact_line(data, None, "i.json")
+    assert "no output gap" in impact_line({**data, "no_gap": True}, FAULT[0], "i.json")

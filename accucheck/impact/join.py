@@ -1,0 +1,95 @@
+"""`diff --impact IMPACT.json`: the share of the logit gap the diff's culprit recovers, read
+from an `accucheck impact` result. Torch-free (json only): imports errors and impact.result's
+format constants.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accucheck.errors import UserError, one_line
+from accucheck.impact.result import FORMAT, VERSION
+
+SMALL = 0.5  # below this share the culprit "explains little"
+
+
+def read_impact(path: str | Path) -> dict:
+    """An impact result (UserError, exit 3, one line, when it is not one this version reads)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--impact {p}: no such file (make it with `accucheck impact REF.h5 "
+                        f"MODEL -o {p.name}`)")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--impact {p}: not readable JSON ({one_line(e, 120)})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"--impact {p}: not an accucheck impact result (format "
+                        f"{data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("version") != VERSION:
+        raise UserError(f"--impact {p}: impact format version {data.get('version')!r}, this "
+                        f"accucheck reads {VERSION}: re-run `accucheck impact` to regenerate it")
+    return data
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{round(100 * v)} %"
+
+
+def _rows(data: dict) -> list[dict]:
+    return list(data.get("sites") or []) + list((data.get("bisect") or {}).get("children") or [])
+
+
+def site_for(data: dict, module: str) -> dict | None:
+    """The patched site that is `module` or, else, the innermost one that encloses it."""
+    rows = [r for r in _rows(data) if r["site"] == module or module.startswith(r["site"] + ".")]
+    return max(rows, key=lambda r: len(r["site"])) if rows else None
+
+
+def impact_line(data: dict, module: str | None, path: str | Path) -> str:
+    """One line: what share of the logit gap the culprit `module` recovers, and when it
+    explains little, which site explains more."""
+    src = f"[{Path(path).name}]"
+    if data.get("no_gap"):
+        return f"impact: the candidate's logits match REF's: no output gap to explain {src}"
+    if module is None:
+        return f"impact: no culprit named; {data.get('headline', '')} {src}"
+    row = site_for(data, module)
+    if row is None:
+        return (f"impact: {module} was not patched ({len(_rows(data))} sites were); "
+                f"{data.get('headline', '')} {src}")
+    rec = row["recovered"]
+    where = module if row["site"] == module else f"{module} (its enclosing {row['site']})"
+    line = (f"impact: {where} recovers {_pct(rec.get('logprob'))} of the logit gap "
+            f"(|Δ logprob|; KL {_pct(rec.get('kl'))}, flips {_pct(rec.get('flips'))})")
+    if row.get("band"):
+        line += f", band {_pct(row['band'].get('logprob'))}"
+    share = rec.get("logprob")
+    best = max(_rows(data), key=lambda r: _score(r))
+    if share is not None and share < SMALL and _score(best) > share + 0.1:
+        line += (f"; it explains little: {best['site']} recovers "
+                 f"{_pct(best['recovered'].get('logprob'))}")
+    return f"{line} {src}"
+
+
+def _score(row: dict) -> float:
+    v = row["recovered"].get("logprob")
+    return -1e300 if v is None else v
+
+
+def with_impact(text: str, fmt: str, data: dict, culprit, path: str | Path) -> str:
+    """The diff report `text` with the impact line: after the culprit's lines (table, md:
+    at the end), or as key "impact" (json)."""
+    module = getattr(culprit, "module", None)
+    line = impact_line(data, module, path)
+    if fmt == "json":
+        doc = json.loads(text)
+        row = site_for(data, module) if module else None
+        doc["impact"] = {"file": str(path), "line": line, "site": row,
+                         "no_gap": bool(data.get("no_gap")), "headline": data.get("headline")}
+        return json.dumps(doc, indent=2) + "\n"
+    lines = text.rstrip("\n").split("\n")
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("CULPRIT:")), None)
+    if at is None:
+        return "\n".join(lines + [line]) + "\n"
+    return "\n".join(lines[:at + 1] + ["  " + line] + lines[at + 1:]) + "\n"
