@@ -249,3 +249,19 @@ def test_impact_line_says_when_the_culprit_explains_little(faulty):
     assert "it explains little: model.layers.1" in line
     assert "no culprit named" in impact_line(data, None, "i.json")
     assert "no output gap" in impact_line({**data, "no_gap": True}, FAULT[0], "i.json")
+
+
+def test_sites_ref_did_not_record_are_listed_not_patchable(tiny, tmp_path):
+    model, tok = tiny
+    part = capture_model(model, PROMPTS[:1], tmp_path / "part.h5", tokenizer=tok, store="full",
+                         max_new_tokens=2, include=("model.embed_tokens", *BLOCKS[:2]))
+    res = impact_model(part, model, ImpactOptions(plant=(FAULT,)))
+    assert [s.site for s in res.sites] == BLOCKS[:2]
+    assert [s for s, _ in res.skipped] == BLOCKS[2:]
+    assert "no full output record" in res.skipped[0][1]
+    assert f"not patchable: {BLOCKS[2]}" in render(res)
+    assert rec(res, BLOCKS[1]) > 0.95
+    none = capture_model(model, PROMPTS[:1], tmp_path / "none.h5", tokenizer=tok,
+                         store="full", max_new_tokens=2, include=("model.layers.0.mlp",))
+    with pytest.raises(UserError, match="no selected site can be patched"):
+        impact_model(none, model, ImpactOptions(plant=(FAULT,)))

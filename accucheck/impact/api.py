@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
 from torch import nn
 
 from accucheck.capture import device as dev

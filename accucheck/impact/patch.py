@@ -119,9 +119,10 @@ def residual_input(index: OutputIndex, site: str, blocks: Sequence[str], embed: 
     """(req, step) -> the record holding block `site`'s input, and where it comes from; None
     and why when there is none for every step."""
     own = index.records(site, "in")
-    if own and missing_step(index, site, requests, "in") is None:
-        return {(r, s): (own[(r, s, 0)].get("0") or own[(r, s, 0)].get("hidden_states"))
-                for r, req in enumerate(requests) for s in req.steps()}, f"{site} input"
+    hidden = {(r, s): own.get((r, s, 0), {}).get("0") or own.get((r, s, 0), {})
+              .get("hidden_states") for r, req in enumerate(requests) for s in req.steps()}
+    if all(k is not None for k in hidden.values()):
+        return hidden, f"{site} input"
     i = list(blocks).index(site)
     source = blocks[i - 1] if i > 0 else embed
     if source is None:
@@ -147,7 +148,7 @@ def plan_site(index: OutputIndex, site: str, requests: Sequence[Request], *, blo
         return "its output has no slot 0 (the hidden states)"
     inputs, how = residual_input(index, site, blocks, embed, requests)
     if inputs is None or any(v is None for v in inputs.values()):
-        return how if inputs is None else "its input record has no hidden-states slot"
+        return how if inputs is None else f"{how} has no slot 0 (the hidden states)"
     return Plan(site, "update", outputs, inputs)
 
 
@@ -189,6 +190,10 @@ def _replace(obj, rec: dict[str, torch.Tensor], site: str, prefix: str = ""):
     return obj
 
 
+def _shape(x) -> str:
+    return f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _hook(site: str, mode: str, tensors: dict, state: StepState):
     calls: dict[tuple[int, int], int] = {}
 
@@ -202,8 +207,11 @@ def _hook(site: str, mode: str, tensors: dict, state: StepState):
         if mode == "update":
             x = args[0] if args else kwargs.get("hidden_states")
             d = rec["0"]
-            rec = {"0": (x.float() + d).to(x.dtype) if x is not None and x.shape == d.shape
-                   else d}
+            if not isinstance(x, torch.Tensor) or x.shape != d.shape:
+                raise UserError(f"{site}: its input is {_shape(x)}, the recorded update "
+                                f"{list(d.shape)}: another model or other prompts than the "
+                                f"reference's?")
+            rec = {"0": (x.float() + d).to(x.dtype)}
         return _replace(out, rec, site)
     return hook
 
