@@ -2,8 +2,8 @@
 (nothing is imported), every import statement counted: module level, inside functions, under
 `if TYPE_CHECKING:`, and `importlib.import_module("name")` / `__import__("name")` with a literal.
 
-Stages, bottom to top: bottom (store, keys, errors, prompts, paths, coverage, the package
-itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
+Stages, bottom to top: bottom (store, keys, errors, numbers, prompts, paths, coverage, the
+package itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
 __main__). capture and importers are a side branch over the bottom: capture imports the bottom
 only, importers the bottom and capture; matrix and signoff may use capture (to run engines and
 capture runs), the top layer anything.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "accucheck"
 
 BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
-          "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
+          "accucheck.numbers", "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.inspect", "accucheck.replay",
        "accucheck.__main__"}
 PACKAGES = ("capture", "importers", "compare", "verdict", "report", "matrix", "signoff")
