@@ -64,6 +64,7 @@ is wrong; a tensor is checked against its index row (present, same shape) when i
 """
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import json
 import os
@@ -865,6 +866,16 @@ class CaptureReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def meta_header(runner: str) -> dict:
+    """The first keys of every capture's meta, whoever writes it (the HF and vLLM runners, the
+    msprobe importer): the tool and its version, when (UTC, seconds) and which runner."""
+    import accucheck
+
+    return {"tool": "accucheck", "tool_version": accucheck.__version__,
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "runner": runner}
 
 
 def open_capture(path: str | os.PathLike, *, allow_incomplete: bool = False) -> CaptureReader:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import accucheck
 from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
 from accucheck.capture.recorder import Recorder
 from accucheck.capture.selection import select_modules
@@ -80,6 +81,8 @@ def test_canonical_record_keys(tiny, tmp_path):
         assert r.row("r0.s1:model.layers.3#0:out.0").shape == (1, 1, 256)
         assert len(r.requests[0].generated_ids) == 2
         assert r.meta["runner"] == "hf" and r.meta["mode"] == "eager"
+        assert (r.meta["tool"], r.meta["tool_version"]) == ("accucheck", accucheck.__version__)
+        assert r.meta["time"].endswith("+00:00")  # store.meta_header: UTC
         assert r.meta["environment"]["packages"]["torch"].startswith("2.")
 
 

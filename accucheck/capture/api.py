@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime as _dt
 import json
 import signal
 import time
@@ -20,7 +19,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-import accucheck
 from accucheck.capture import device as dev
 from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.capture.compiling import CompileProgress, backend_for, compile_stats, dynamo_quiet
@@ -34,7 +32,7 @@ from accucheck.capture.selection import select_modules
 from accucheck.capture.stats import kernel_status, weight_table
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
-from accucheck.store import CaptureWriter, open_capture
+from accucheck.store import CaptureWriter, meta_header, open_capture
 
 MODES = ("eager", "graph")
 LEVELS = ("module", "op")
@@ -204,7 +202,7 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
             modules = tapped_modules(taps)
     backend_name, backend = backend_for(spec, opts.compile_backend) if opts.mode == "graph" \
         else (None, None)
-    meta = _meta(model, spec, opts, modules=modules, routers=routers, causal=causal,
+    meta = hf_meta(model, spec, opts, modules=modules, routers=routers, causal=causal,
                  backend_name=backend_name, seeded=seeded, determinism=determinism,
                  graph_taps=None if opts.mode != "graph" else "boundaries" if taps
                  else "selection")
@@ -316,15 +314,14 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     return Path(out)
 
 
-def _meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, modules: list[str],
-          routers: list, causal: bool, backend_name: str | None, seeded: dict,
-          determinism: dict, graph_taps: str | None) -> dict:
+def hf_meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, modules: list[str],
+            routers: list, causal: bool, backend_name: str | None, seeded: dict,
+            determinism: dict, graph_taps: str | None) -> dict:
     """The capture file's meta as the capture starts (accucheck.store; the run adds what it
     measures: coverage, compile statistics, the observer effect, forced routing)."""
     return {
-        "tool": "accucheck", "tool_version": accucheck.__version__,
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "runner": "hf", "device": str(spec), "dtype": _dtype_name(next(model.parameters()).dtype),
+        **meta_header("hf"), "device": str(spec),
+        "dtype": _dtype_name(next(model.parameters()).dtype),
         "mode": opts.mode, "compile_backend": backend_name, "seed": seeded,
         "determinism": determinism, "environment": dev.fingerprint(spec),
         "model": {"class": type(model).__name__, "causal_lm": causal,

