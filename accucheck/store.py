@@ -27,11 +27,13 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             the same request and step, the site being its key without
                             "r{req}.s{step}:" ({"hidden_states":
                             "model.layers.0.input_layernorm#0:out.0"}); an input neither linked
-                            nor a weight has its own "in" record (accucheck.capture.recorder).
+                            nor a weight has its own "in" record
+                            (accucheck.capture.record.recorder).
                             Op records (kind "op") also carry
                             {"site": "transformers/.../modeling_llama.py:154 in forward",
                              "args": [...], "kwargs": {...}} where "args"/"kwargs" describe the
-                            op call with tensors as {"t": "<in slot>"} (see accucheck.capture.ops)
+                            op call with tensors as {"t": "<in slot>"}
+                            (see accucheck.capture.record.ops)
     /index/sample           [n, 64] float64 (OPTIONAL, like extra): a fixed sample of the
                             tensor's values at flat (C-order) positions
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,

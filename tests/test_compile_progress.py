@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from accucheck.capture import api
-from accucheck.capture.api import capture_model
-from accucheck.capture.compiling import CompileProgress
+from accucheck.capture.runners import hf as api
+from accucheck.capture.runners.hf import capture_model
+from accucheck.capture.record.compiling import CompileProgress
 from accucheck.store import open_capture
 
 

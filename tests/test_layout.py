@@ -184,3 +184,34 @@ def test_no_import_cycle():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# Inside capture (issue 35): record/ is what a hook does with a tensor (recorder, ops, shadow,
+# links, selection, statistics, graph taps, compile progress, MoE routing, rank copies); the
+# runners (HF, vLLM, batched rows, control) drive a model and feed a capture file. What records
+# never depends on who runs the model.
+CAPTURE_INNER = {"record": {"runners", "session"}}
+
+
+def capture_part(mod: str) -> str | None:
+    """The part of capture a module is in: record, runners, session, models, ... (None: outside)."""
+    parts = mod.split(".")
+    return parts[2] if len(parts) >= 3 and parts[:2] == ["accucheck", "capture"] else None
+
+
+def test_record_never_imports_the_runners():
+    bad = []
+    for m in MODULES:
+        forbidden = CAPTURE_INNER.get(capture_part(m) or "", set())
+        for name, line in imports(m):
+            t = internal(name) if name.startswith("accucheck") else None
+            if t is not None and capture_part(t) in forbidden:
+                bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: {m} imports {t}")
+    assert bad == []
+
+
+def test_the_capture_rule_sees_a_runner_import():
+    assert capture_part("accucheck.capture.runners.hf") == "runners"
+    assert capture_part("accucheck.capture.record.stats") == "record"
+    assert capture_part("accucheck.capture.session") == "session"
+    assert capture_part("accucheck.store") is None

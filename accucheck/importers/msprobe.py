@@ -547,8 +547,8 @@ def _torch_reason(text: str) -> str:
 def _tensor_row(t) -> tuple[np.ndarray, int, np.ndarray, str]:
     """(statistics row + sample, checksum, stored array, dtype name), as accucheck's recorder
     computes them."""
-    from accucheck.capture.recorder import finish_stats
-    from accucheck.capture.stats import tensor_stats, to_host
+    from accucheck.capture.record.recorder import finish_stats
+    from accucheck.capture.record.stats import tensor_stats, to_host
 
     raw = tensor_stats(t).cpu().numpy()
     host, dtype = to_host(t)

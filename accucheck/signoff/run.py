@@ -265,7 +265,8 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
     if not scn.prompts:
         raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
-    from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.hf import capture_dir, capture_model
 
     model_dir = scenario_model_dir(scn)
     extra = {"signoff": {"scenario": scn.name, "role": role}}
@@ -283,7 +284,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
         + f" -> {out}")
     try:
         if spec.runner == "vllm":
-            from accucheck.capture.vllm_runner import capture_vllm
+            from accucheck.capture.runners.vllm import capture_vllm
 
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
         elif spec.fault is None and spec.dither is None:
@@ -292,7 +293,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
         else:
             from accucheck.capture.device import parse_device, torch_device
             from accucheck.capture.faults import planted
-            from accucheck.capture.hf import load_model_dir, parse_dtype
+            from accucheck.capture.models import load_model_dir, parse_dtype
 
             model, tok = load_model_dir(model_dir, parse_dtype(spec.dtype),
                                         torch_device(parse_device(spec.device)),

@@ -12,7 +12,7 @@ import json
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -21,105 +21,20 @@ from torch import nn
 
 from accucheck.capture import device as dev
 from accucheck.coverage import coverage, coverage_line, sites_of
-from accucheck.capture.compiling import CompileProgress, backend_for, compile_stats, dynamo_quiet
-from accucheck.capture.hf import (check_model_dir, config_hash, greedy_run, is_causal_lm,
-                                  load_model_dir, parse_dtype, weight_hash)
-from accucheck.capture.graph import (ObserverCheck, boundary_taps, router_taps, run_unobserved,
-                                     tapped_modules)
-from accucheck.capture.moe import RoutingReplay, find_routers, moe_meta
-from accucheck.capture.recorder import Recorder
-from accucheck.capture.selection import select_modules
-from accucheck.capture.stats import kernel_status, weight_table
+from accucheck.capture.record.compiling import (CompileProgress, backend_for, compile_stats,
+                                                dynamo_quiet)
+from accucheck.capture.options import CaptureOptions
+from accucheck.capture.models import (check_model_dir, config_hash, greedy_run, is_causal_lm,
+                                      load_model_dir, parse_dtype, weight_hash)
+from accucheck.capture.record.graph import (ObserverCheck, boundary_taps, router_taps,
+                                            run_unobserved, tapped_modules)
+from accucheck.capture.record.moe import RoutingReplay, find_routers, moe_meta
+from accucheck.capture.record.recorder import Recorder
+from accucheck.capture.record.selection import select_modules
+from accucheck.capture.record.stats import kernel_status, weight_table
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
 from accucheck.store import CaptureWriter, meta_header, open_capture
-
-MODES = ("eager", "graph")
-LEVELS = ("module", "op")
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    """Everything that shapes a capture; stored in the file's meta under `options`.
-
-    store: "stats" (index only, cheap) or "full" (tensors too).
-    include / exclude: glob patterns on module paths (include replaces the default selection).
-    In mode "graph" without include / exclude / record_inputs, the default is the kernel-
-    boundary taps (accucheck.capture.graph: every Linear's input and output, which leave the
-    compiled program unchanged).
-    record_inputs: record every module input (role "in"), needed for shadow replay. Without
-    it, eager captures still record the floating-point inputs that no producer link explains
-    (accucheck.capture.recorder); graph captures record none.
-    tokens_from: a reference capture whose prompt and generated token ids this run must follow.
-    compile_backend: torch.compile backend for mode "graph" (default: inductor on every device,
-    torch_npu's NPU inductor on NPU; "torchair": TorchAir's GE backend, only when asked;
-    accucheck.capture.compiling.backend_for).
-    level: "module" (forward hooks) or "op" (also every operator inside the selected modules,
-    accucheck.capture.ops; eager mode only).
-    shadow: a reference capture (--store full --inputs) whose recorded inputs every selected
-    module (and op, at level op) is replayed on; results are role "shadow"
-    (accucheck.capture.shadow). Implies tokens_from = shadow unless tokens_from is given.
-    observer_check: mode "graph": also run the compiled model without taps and record its
-    logits, with the taps' effect on them in meta "observer_effect" (accucheck.capture.graph);
-    off, the file's logits are the tapped run's and the effect is not measured (one compile
-    less).
-    routing_from: a reference capture whose MoE routing (every router call's expert ids) this
-    run must follow (accucheck.capture.moe); implies tokens_from. routing_weights: also the
-    reference's routing weights. Eager only.
-    """
-    device: str = "cpu"
-    dtype: str | None = None
-    mode: str = "eager"
-    store: str = "stats"
-    max_new_tokens: int = 0
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    record_inputs: bool = False
-    seed: int = 0
-    deterministic: bool = False
-    tokens_from: str | None = None
-    compression: str | None = None
-    compile_backend: str | None = None
-    force: bool = False
-    level: str = "module"
-    shadow: str | None = None
-    observer_check: bool = True
-    routing_from: str | None = None
-    routing_weights: bool = False
-    meta_extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        """Usage errors (exit 2): what is wrong here is wrong whatever the files hold."""
-        if self.mode not in MODES:
-            raise UserError.usage(f"unknown mode {self.mode!r}: use eager or graph")
-        if self.level not in LEVELS:
-            raise UserError.usage(f"unknown level {self.level!r}: use module or op")
-        if self.mode == "graph" and (self.level == "op" or self.shadow):
-            raise UserError.usage("--level op and --shadow need --mode eager (a compiled graph "
-                                  "runs neither ops one by one nor module replays)")
-        if self.routing_weights and not self.routing_from:
-            raise UserError.usage("--routing-weights goes with --routing-from REF.h5")
-        if self.routing_from and self.mode == "graph":
-            raise UserError.usage("--routing-from needs --mode eager (the router's top-k runs "
-                                  "inside the compiled graph, where it cannot be replaced)")
-        if self.compile_backend and self.mode != "graph":
-            raise UserError.usage("--compile-backend is for --mode graph")
-        if self.max_new_tokens < 0:
-            raise UserError.usage("--max-new-tokens must be >= 0")
-        if self.store not in ("stats", "full"):
-            raise UserError.usage(f"unknown store mode {self.store!r}: use stats or full")
-        if self.compression not in (None, "gzip", "lzf"):
-            raise UserError.usage(f"unknown compression {self.compression!r}: use gzip or lzf")
-        if self.dtype is not None:
-            parse_dtype(self.dtype)
-        dev.parse_device(self.device)
-
-    def inputs(self) -> dict[str, str]:
-        """The capture files this capture reads, by flag."""
-        return {flag: path for flag, path in (("--tokens-from", self.tokens_from),
-                                              ("--shadow", self.shadow),
-                                              ("--routing-from", self.routing_from)) if path}
-
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
                 opts: CaptureOptions, *, trust_remote_code: bool = False,
@@ -188,8 +103,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     determinism = dev.set_deterministic(spec) if opts.deterministic else {}
     modules = select_modules(model, opts.include, opts.exclude)
     if not modules:
-        raise UserError("no module matches --include/--exclude: run `accucheck capture --list-modules`"
-                        " to see the module paths")
+        raise UserError("no module matches --include/--exclude: run `accucheck capture "
+                        "--list-modules` to see the module paths")
     routers = find_routers(model)
     taps = None
     if opts.mode == "graph" and not (opts.include or opts.exclude or opts.record_inputs) \
@@ -380,7 +295,7 @@ def _shadow_source(opts: CaptureOptions):
     """The opened --shadow reference (UserError when it cannot serve), or None."""
     if not opts.shadow:
         return None
-    from accucheck.capture.shadow import ShadowSource
+    from accucheck.capture.record.shadow import ShadowSource
 
     return ShadowSource(opts.shadow)
 
@@ -389,13 +304,13 @@ def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
               opts: CaptureOptions, source=None, taps=None, keep=()) -> Recorder:
     """The plain module recorder, or (level op / shadow) the op and shadow recorders.
     `source`: the opened --shadow reference (closed by the caller on failure); `taps`: graph
-    mode's kernel-boundary taps (accucheck.capture.graph), None for the module selection;
+    mode's kernel-boundary taps (accucheck.capture.record.graph), None for the module selection;
     `keep`: modules whose outputs keep their values in --store stats (MoE routers)."""
     if opts.level == "module" and not opts.shadow:
         return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
                         graph=opts.mode == "graph", taps=taps, keep=keep)
-    from accucheck.capture.ops import OpRecorder
-    from accucheck.capture.shadow import ShadowRecorder
+    from accucheck.capture.record.ops import OpRecorder
+    from accucheck.capture.record.shadow import ShadowRecorder
 
     cls = OpRecorder if opts.level == "op" else ShadowRecorder
     return cls(model, writer, modules, record_inputs=opts.record_inputs,

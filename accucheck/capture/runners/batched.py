@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from accucheck.capture import device as dev
-from accucheck.capture.api import CaptureOptions, check_output_path, hf_meta
-from accucheck.capture.hf import cache_argument, _cache_of
-from accucheck.capture.recorder import dtype_name, stats_rows
-from accucheck.capture.selection import flatten, select_modules
-from accucheck.capture.stats import to_host
+from accucheck.capture.options import CaptureOptions
+from accucheck.capture.runners.hf import check_output_path, hf_meta
+from accucheck.capture.models import cache_argument, _cache_of
+from accucheck.capture.record.recorder import dtype_name, stats_rows
+from accucheck.capture.record.selection import flatten, select_modules
+from accucheck.capture.record.stats import to_host
 from accucheck.coverage import coverage, sites_of
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import CaptureWriter
