@@ -160,7 +160,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
     existed = Path(out).exists()
     try:
         if runner == "vllm":
-            from accucheck.capture.runners.hf import check_output_path
+            from accucheck.capture.session import check_output_path
             from accucheck.capture.device import parse_device, transfer_note
             from accucheck.capture.runners.vllm import capture_vllm
 

@@ -470,9 +470,9 @@ def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
 
 
 def test_progress_lines_for_long_captures(tiny, tmp_path, monkeypatch):
-    from accucheck.capture.runners import hf as api
+    from accucheck.capture.session import Ticker
 
-    monkeypatch.setattr(api._Ticker, "every", 0.0)  # a line at every step instead of every 2 s
+    monkeypatch.setattr(Ticker, "every", 0.0)  # a line at every step instead of every 2 s
     model, tok = tiny
     lines: list[str] = []
     capture_model(model, PROMPTS, tmp_path / "a.h5", tokenizer=tok, max_new_tokens=2,

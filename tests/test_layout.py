@@ -190,11 +190,12 @@ def test_find_cycle_finds_one():
 # links, selection, statistics, graph taps, compile progress, MoE routing, rank copies); the
 # runners (HF, vLLM, batched rows, control) drive a model and feed a capture file. What records
 # never depends on who runs the model.
-CAPTURE_INNER = {"record": {"runners", "session"}}
+CAPTURE_INNER = {"record": {"runners", "session"}, "session": {"runners"},
+                 "options": {"runners", "session"}}
 
 
 def capture_part(mod: str) -> str | None:
-    """The part of capture a module is in: record, runners, session, models, ... (None: outside)."""
+    """The part of capture a module is in: record, runners, session, ... (None: outside)."""
     parts = mod.split(".")
     return parts[2] if len(parts) >= 3 and parts[:2] == ["accucheck", "capture"] else None
 

@@ -190,7 +190,7 @@ def dispositions():
 
 
 def test_the_handler_only_records_and_a_second_signal_raises_at_once(dispositions):
-    from accucheck.capture.runners.hf import interruptible
+    from accucheck.capture.session import interruptible
 
     dispositions(SIGINT=signal.default_int_handler, SIGTERM=signal.SIG_DFL)
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
@@ -212,7 +212,7 @@ def test_an_inherited_ignored_sigint_stays_ignored_and_is_restored(dispositions)
     """A background job inherits SIGINT ignored: the capture must not start listening to it,
     and leaves it ignored. SIGTERM, set to a handler of the caller's, is recorded and then
     restored to that very handler."""
-    from accucheck.capture.runners.hf import interruptible
+    from accucheck.capture.session import interruptible
 
     seen = []
 

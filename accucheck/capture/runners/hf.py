@@ -9,21 +9,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import signal
-import time
-from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from accucheck.capture import device as dev
-from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.capture.record.compiling import (CompileProgress, backend_for, compile_stats,
                                                 dynamo_quiet)
 from accucheck.capture.options import CaptureOptions
+from accucheck.capture.session import (CaptureSession, check_input, check_output_path,
+                                       interruptible)
 from accucheck.capture.models import (check_model_dir, config_hash, greedy_run, is_causal_lm,
                                       load_model_dir, parse_dtype, weight_hash)
 from accucheck.capture.record.graph import (ObserverCheck, boundary_taps, router_taps,
@@ -33,7 +31,6 @@ from accucheck.capture.record.recorder import Recorder
 from accucheck.capture.record.selection import select_modules
 from accucheck.capture.record.stats import kernel_status, weight_table
 from accucheck.errors import UserError
-from accucheck.paths import check_not_input, check_output_file
 from accucheck.store import CaptureWriter, meta_header, open_capture
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
@@ -51,7 +48,7 @@ def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
     if not prompts:
         raise UserError.usage("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
     for flag, path in opts.inputs().items():
-        _check_input(flag, path)
+        check_input(flag, path)
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
     if progress is not None and announce:
         progress(f"capturing {model_dir} on {opts.device} ({_dtype_name(dtype)}, {opts.mode}, "
@@ -124,109 +121,115 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
     # the shadow reference is opened and checked (full, with inputs) before the output exists
     source = _shadow_source(opts)
     replay = None
-    writer = None
     try:
         replay = RoutingReplay(opts.routing_from, routers, opts.routing_weights) \
             if opts.routing_from else None
-        writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
-                               compression=opts.compression)
-        recorder = _recorder(model, writer, modules, opts, source, taps,
-                             keep=[r.gate for r in routers])
-    except BaseException:
-        if source is not None:
+        with CaptureSession(out, meta, opts, requests=len(prompt_ids),
+                            steps=opts.max_new_tokens + 1 if causal else 1,
+                            progress=progress) as session:
+            recorder = _recorder(model, session.writer, modules, opts, source, taps,
+                                 keep=[r.gate for r in routers])
+            _generate(session, recorder, model, opts, _Run(
+                prompt_ids, prompts, forced, tdev, causal, backend_name, backend, replay,
+                meta["graph_taps"], progress))
+            session.finish()
+    finally:
+        if source is not None:  # the shadow recorder's reference
             source.close()
         if replay is not None:
             replay.close()
-        if writer is not None:
-            writer.close(complete=False)
-        raise
-    complete = False
-    ticker = _Ticker(progress, len(prompt_ids), opts.max_new_tokens if causal else 0)
-    compiling = CompileProgress(progress, backend_name) if opts.mode == "graph" else None
-    check = ObserverCheck(meta["graph_taps"]) if opts.mode == "graph" and opts.observer_check \
+    return Path(out)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What capture_model prepared for the runs (`_generate`)."""
+    prompt_ids: list[list[int]]
+    prompts: Sequence
+    forced: list | None
+    device: torch.device
+    causal: bool
+    backend_name: str | None
+    backend: object
+    replay: RoutingReplay | None
+    graph_taps: str | None
+    progress: Callable[[str], None] | None
+
+
+def _generate(session: CaptureSession, recorder: Recorder, model: nn.Module,
+              opts: CaptureOptions, run: _Run) -> None:
+    """Every prompt's greedy (or teacher-forced) run with the recorder's hooks in place; in
+    graph mode compiled, after the observer check's untapped run. Writes the requests and the
+    run's meta (shadow replay counts, forced routing, compile statistics, observer effect)."""
+    writer, forced, replay = session.writer, run.forced, run.replay
+    compiling = CompileProgress(run.progress, run.backend_name) if opts.mode == "graph" \
+        else None
+    check = ObserverCheck(run.graph_taps) if opts.mode == "graph" and opts.observer_check \
         else None
 
     def compiled():
-        return compiling.watch(torch.compile(model, backend=backend, dynamic=True))
+        return compiling.watch(torch.compile(model, backend=run.backend, dynamic=True))
 
-    try:
-        with interruptible() as guard, dynamo_quiet(opts.mode), \
-                (compiling or contextlib.nullcontext()), \
-                (replay.installed(model) if replay else contextlib.nullcontext()):
-            if check is not None:  # the untapped run first: its tokens are the run's
-                compiling.label = f"{backend_name}, untapped run of the observer check"
+    def greedy(forward, r, ids, follow, on_step, on_logits):
+        return greedy_run(forward, ids, run.device, opts.max_new_tokens, forced=follow,
+                          on_step=on_step, on_logits=on_logits, causal=run.causal, model=model)
 
-                def untapped(forward, r, ids, on_step, on_logits):
-                    def step(k):
-                        guard.check()
-                        on_step(k)
-                    return greedy_run(forward, ids, tdev, opts.max_new_tokens,
-                                      forced=forced[r][1] if forced else None,
-                                      on_step=step, on_logits=on_logits, causal=causal,
-                                      model=model)
-                run_unobserved(compiled(), prompt_ids, untapped, check)
-                torch._dynamo.reset()  # the tapped model compiles afresh
-                compiling.register()
-                compiling.label = backend_name
-            before = compile_stats() if opts.mode == "graph" else {}
-            with recorder.hooks():
-                # hooks are in place BEFORE compilation: hooks added later never fire in the graph
-                forward = compiled() if compiling is not None else model
-                if check is not None:
-                    forward = check.watch(forward)
-                for r, ids in enumerate(prompt_ids):
-                    at = [0]
+    with interruptible() as guard, dynamo_quiet(opts.mode), \
+            (compiling or contextlib.nullcontext()), \
+            (replay.installed(model) if replay else contextlib.nullcontext()):
+        if check is not None:  # the untapped run first: its tokens are the run's
+            compiling.label = f"{run.backend_name}, untapped run of the observer check"
 
-                    def on_step(step, r=r, at=at):
-                        guard.check()
-                        ticker.tick(r, step, writer.n_records)
-                        recorder.begin_step(r, step)
-                        if replay is not None:
-                            replay.begin_step(r, step)
-                        at[0] = step
+            def untapped(forward, r, ids, on_step, on_logits):
+                def step(k):
+                    guard.check()
+                    on_step(k)
+                return greedy(forward, r, ids, forced[r][1] if forced else None, step,
+                              on_logits)
+            run_unobserved(compiled(), run.prompt_ids, untapped, check)
+            torch._dynamo.reset()  # the tapped model compiles afresh
+            compiling.register()
+            compiling.label = run.backend_name
+        before = compile_stats() if opts.mode == "graph" else {}
+        with recorder.hooks():
+            # hooks are in place BEFORE compilation: hooks added later never fire in the graph
+            forward = compiled() if compiling is not None else model
+            if check is not None:
+                forward = check.watch(forward)
+            for r, ids in enumerate(run.prompt_ids):
+                at = [0]
 
-                    def on_logits(logits, r=r, at=at):
-                        if check is not None:  # record the untapped logits
-                            untapped_logits = check.compare(r, at[0])
-                            logits = untapped_logits if logits is not None else None
-                        recorder.end_step(logits)
+                def on_step(step, r=r, at=at):
+                    guard.check()
+                    session.tick(r, step)
+                    recorder.begin_step(r, step)
+                    if replay is not None:
+                        replay.begin_step(r, step)
+                    at[0] = step
 
-                    follow = check.tokens[r] if check is not None else \
-                        forced[r][1] if forced else None
-                    gen = greedy_run(forward, ids, tdev, opts.max_new_tokens, forced=follow,
-                                     on_step=on_step, on_logits=on_logits, causal=causal,
-                                     model=model)
-                    writer.set_request(r, gen.prompt_ids, gen.generated_ids,
-                                       prompts[r] if isinstance(prompts[r], str) else None)
-                    writer.flush()
-        if getattr(recorder, "shadow_counts", None) is not None:
-            writer.update_meta(shadow_replay=recorder.shadow_counts)
-        if replay is not None:
-            writer.update_meta(routing_forced=replay.meta())
-        if opts.mode == "graph":
-            writer.update_meta(compile_stats=compile_stats(before),
-                               compile_seconds=round(compiling.seconds, 3),
-                               observer_effect=check.meta() if check is not None else
-                               {"measured": False, "taps": meta["graph_taps"],
-                                "why": "observer check off (--no-observer-check)"})
-        cov = coverage(sites_of(writer.keys), len(prompt_ids),
-                       opts.max_new_tokens + 1 if causal else 1)
-        writer.update_meta(coverage=cov)
-        if progress is not None:
-            progress(coverage_line(cov))
-        if not cov["ok"]:
-            raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
-        complete = True
-    except KeyboardInterrupt as e:
-        writer.close(complete=False)
-        raise UserError(interrupted_message(writer, e)) from None
-    finally:
-        writer.close(complete=complete)
-        if getattr(recorder, "shadow", None) is not None:
-            recorder.shadow.close()
-        if replay is not None:
-            replay.close()
-    return Path(out)
+                def on_logits(logits, r=r, at=at):
+                    if check is not None:  # record the untapped logits
+                        untapped_logits = check.compare(r, at[0])
+                        logits = untapped_logits if logits is not None else None
+                    recorder.end_step(logits)
+
+                follow = check.tokens[r] if check is not None else \
+                    forced[r][1] if forced else None
+                gen = greedy(forward, r, ids, follow, on_step, on_logits)
+                prompt = run.prompts[r]
+                writer.set_request(r, gen.prompt_ids, gen.generated_ids,
+                                   prompt if isinstance(prompt, str) else None)
+                writer.flush()
+    if getattr(recorder, "shadow_counts", None) is not None:
+        writer.update_meta(shadow_replay=recorder.shadow_counts)
+    if replay is not None:
+        writer.update_meta(routing_forced=replay.meta())
+    if opts.mode == "graph":
+        writer.update_meta(compile_stats=compile_stats(before),
+                           compile_seconds=round(compiling.seconds, 3),
+                           observer_effect=check.meta() if check is not None else
+                           {"measured": False, "taps": run.graph_taps,
+                            "why": "observer check off (--no-observer-check)"})
 
 
 def hf_meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, modules: list[str],
@@ -254,41 +257,6 @@ def hf_meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, mod
         "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
         **opts.meta_extra,
     }
-
-
-def left_behind(writer: CaptureWriter) -> str:
-    """What a capture that did not complete leaves: a new file incomplete, a replaced one as
-    it was."""
-    if writer.replacing:
-        return f"the new capture was discarded, {writer.path} is unchanged"
-    return f"{writer.path} is left incomplete ({writer.n_records} records)"
-
-
-def interrupted_message(writer: CaptureWriter, e: BaseException) -> str:
-    """What an interrupted capture left: a new file incomplete, an existing one unchanged."""
-    what = f"interrupted ({e.args[0]})" if e.args else "interrupted"
-    if writer.replacing:
-        return (f"{what}: the new capture was discarded; {writer.path} is unchanged; re-run the "
-                f"capture to replace it")
-    return (f"{what}: {writer.path} is left incomplete ({writer.n_records} records); re-run the "
-            f"capture with --force to replace it")
-
-
-class _Ticker:
-    """Progress lines for long captures, at most one every `every` seconds."""
-
-    every = 2.0
-
-    def __init__(self, out: Callable[[str], None] | None, n_prompts: int, n_steps: int):
-        self.out, self.n_prompts, self.n_steps = out, n_prompts, n_steps
-        self.last = time.monotonic()
-
-    def tick(self, req: int, step: int, records: int) -> None:
-        now = time.monotonic()
-        if self.out is not None and now - self.last >= self.every:
-            self.last = now
-            self.out(f"capture: prompt {req + 1}/{self.n_prompts}, step {step}/{self.n_steps}, "
-                     f"{records} records")
 
 
 def _shadow_source(opts: CaptureOptions):
@@ -328,27 +296,6 @@ def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def check_output_path(out: str | Path, force: bool, inputs: dict[str, str] | None = None) -> None:
-    """Before anything is created: `out` can be written (UserError, exit 3, otherwise) and is
-    none of `inputs` ({flag: path}; exit 2: an input is never an output)."""
-    check_not_input(out, inputs or {})
-    check_output_file(out, force)
-
-
-def _check_input(flag: str, path: str) -> None:
-    """A capture named by `flag` opens (complete) and, for --shadow, can serve as a shadow
-    reference: checked before any output is touched or the model is loaded."""
-    with open_capture(path) as r:
-        if flag != "--shadow":
-            return
-        if r.store_mode != "full":
-            raise UserError(f"--shadow {path}: it holds statistics only; the reference must be "
-                            f"captured with --store full --inputs")
-        if not any(row.key.role == "in" and row.has_data for row in r.rows):
-            raise UserError(f"--shadow {path}: it has no recorded inputs; capture the reference "
-                            f"with --store full --inputs")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -420,57 +367,3 @@ def _config_dict(model: nn.Module) -> dict | None:
     return json.loads(json.dumps(cfg.to_dict(), default=str))
 
 
-class Interrupts:
-    """SIGINT / SIGTERM during a capture end it like Ctrl-C: the file is closed, incomplete.
-
-    The handler only records the signal: raising from a handler can land anywhere, e.g. inside
-    a finalizer (`__del__`, a weakref callback of h5py or tqdm), where Python prints "Exception
-    ignored" and drops it. `check()`, called at every step boundary (and when the guarded block
-    ends), raises KeyboardInterrupt for it. A second signal raises at once: the way out of a
-    step that does not end.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def _handler(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt(f"{_signame(signum)} twice")
-        self.signum = signum
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt(_signame(self.signum))
-
-
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-@contextmanager
-def interruptible() -> Iterator[Interrupts]:
-    """Install the recording handler for SIGINT and SIGTERM (main thread only) and restore
-    exactly the dispositions found on exit; a signal recorded during the block interrupts it
-    when it ends. A signal whose disposition is SIG_IGN stays ignored, as Python leaves an
-    ignored SIGINT it inherits (a job started with `nohup` or `cmd &` from a non-interactive
-    shell): the one who started us asked for it not to stop us."""
-    guard = Interrupts()
-    old = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            found = signal.getsignal(sig)
-            if found is signal.SIG_IGN or found is None:  # ignored, or set outside Python
-                continue
-            old[sig] = found
-            signal.signal(sig, guard._handler)
-    except ValueError:  # not in the main thread: signals stay as they were
-        pass
-    try:
-        yield guard
-        guard.check()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)

@@ -27,8 +27,9 @@ from accucheck.capture import device as dev
 from accucheck.capture.runners import vllm_facts as vf
 from accucheck.capture.options import (VLLM_FORCED_ENGINE, CaptureOptions, check_runner,
                                        vllm_dtype)
-from accucheck.capture.runners.hf import (check_output_path, forced_tokens, interruptible,
-                                          left_behind, tokenize_prompts)
+from accucheck.capture.runners.hf import forced_tokens, tokenize_prompts
+from accucheck.capture.session import (CaptureSession, check_output_path, interruptible,
+                                       left_behind)
 from accucheck.coverage import coverage, coverage_line, skipped_throughout
 from accucheck.capture.record.graph import ObserverCheck
 from accucheck.capture.record.ranks import Merged, merge_ranks, merge_weight_tables
@@ -168,10 +169,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             if opts.mode == "graph":
                 meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers,
                                                        opts.observer_check)
-            writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
-                                   compression=opts.compression)
-            complete = False
-            try:
+            with CaptureSession(out, meta, opts, requests=len(prompt_ids),
+                                steps=n_new + 1) as session:
+                writer = session.writer
                 with interruptible():
                     try:
                         t0 = time.monotonic()
@@ -195,15 +195,14 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                     cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
                                  int(hf_config.vocab_size), sorted(got), check)
                     timing["merge_write_s"] = time.monotonic() - t0
-                writer.update_meta(coverage=cov, tensor_parallel=_tp_meta(tp, merged, infos),
+                writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()})
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
                 _report(merged, cov)
-                _refuse_gaps(writer, meta, cov, merged, got)
-                complete = True
-            finally:
-                writer.close(complete=complete)
+                skipped = _skipped_meta(writer, meta, got)
+                session.finish(cov)
+                _refuse_gaps(writer, merged, got, skipped)
         finally:
             shutdown(llm)
     return Path(out)
@@ -394,23 +393,25 @@ def _info(by_rank: dict[int, dict]) -> dict:
     return next(by_rank[r] for r in sorted(by_rank) if by_rank[r].get("attached"))
 
 
-def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
-                 got: dict[int, dict]) -> None:
-    """The end of a capture: what the workers skipped while generating joins meta
-    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, when a
-    selected module was dropped at every step (`coverage.skipped_throughout`), or when a MoE
-    router recorded no routing at all (`vllm_moe.routing_gap`). The coverage verdict expects
-    only what was recorded at least once: a module or a routing path dropped throughout
-    passed it."""
-    from accucheck.capture.runners.vllm_moe import routing_gap
-
+def _skipped_meta(writer: CaptureWriter, meta: dict, got: dict[int, dict]) -> dict:
+    """What the workers skipped while generating joins meta vllm.skipped (also in a capture
+    that fails after). Returns it."""
     skipped = dict(meta["vllm"]["skipped"])
     for r in sorted(got):
         skipped.update({k: v for k, v in (got[r].get("skipped") or {}).items()
                         if k not in skipped})
     writer.update_meta(vllm={**meta["vllm"], "skipped": skipped})
-    if not cov["ok"]:
-        raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+    return skipped
+
+
+def _refuse_gaps(writer: CaptureWriter, merged: Merged, got: dict[int, dict],
+                 skipped: dict) -> None:
+    """After the coverage verdict (CaptureSession.finish, which expects only what was recorded
+    at least once): UserError (the file left incomplete) when a selected module was dropped at
+    every step (`coverage.skipped_throughout`) or a MoE router recorded no routing at all
+    (`vllm_moe.routing_gap`)."""
+    from accucheck.capture.runners.vllm_moe import routing_gap
+
     sites = {site for *_where, site in merged.seen}
     dropped = skipped_throughout(_info(got)["modules"], sites, skipped)
     if dropped is not None:
