@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.tiny import write_tiny_model
     from accucheck.impact.api import ImpactOptions, impact_model
 

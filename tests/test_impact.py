@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.cli import main
 from accucheck.errors import UserError
 from accucheck.impact.api import ImpactOptions, impact_model
@@ -227,7 +227,8 @@ def test_diff_shows_what_the_culprit_recovers(tiny, ref, faulty, tmp_path, capsy
     lines = text.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("CULPRIT:"))
     assert FAULT[0] in lines[at]
-    assert lines[at + 1].strip().startswith(f"impact: {FAULT[0]} recovers 100 % of the logit gap")
+    assert lines[at + 1].strip().startswith(
+        f"impact: {FAULT[0]} recovers 100.0% of the logit gap")
     code, text, _ = run(["diff", ref, cand, "--impact", imp, "--format", "json"], capsys)
     assert json.loads(text)["impact"]["site"]["site"] == FAULT[0]
     code, _, err = run(["diff", ref, cand, "--impact", imp, "--format", "csv"], capsys)
@@ -245,7 +246,7 @@ def test_impact_line_says_when_the_culprit_explains_little(faulty):
     data = faulty.to_json()
     line = impact_line(data, "model.layers.1.self_attn.o_proj", "i.json")
     assert line.startswith("impact: model.layers.1.self_attn.o_proj (its enclosing "
-                           "model.layers.1.self_attn) recovers 0 %")
+                           "model.layers.1.self_attn) recovers 0.0%")
     assert "it explains little: model.layers.1" in line
     assert "no culprit named" in impact_line(data, None, "i.json")
     assert "no output gap" in impact_line({**data, "no_gap": True}, FAULT[0], "i.json")

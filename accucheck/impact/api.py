@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from torch import nn
 
 from accucheck.capture import device as dev
-from accucheck.capture.hf import check_model_dir, config_hash, load_model_dir, parse_dtype
+from accucheck.capture.models import check_model_dir, config_hash, load_model_dir, parse_dtype
 from accucheck.errors import UserError
 from accucheck.impact.gap import Gap, recovered
 from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, forced_pass,

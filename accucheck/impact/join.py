@@ -1,6 +1,6 @@
 """`diff --impact IMPACT.json`: the share of the logit gap the diff's culprit recovers, read
-from an `accucheck impact` result. Torch-free (json only): imports errors and impact.result's
-format constants.
+from an `accucheck impact` result. Torch-free (json only): imports errors, numbers and
+impact.result's format constants.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from accucheck.errors import UserError, one_line
 from accucheck.impact.result import FORMAT, VERSION
+from accucheck.numbers import percent
 
 SMALL = 0.5  # below this share the culprit "explains little"
 
@@ -33,7 +34,7 @@ def read_impact(path: str | Path) -> dict:
 
 
 def _pct(v) -> str:
-    return "n/a" if v is None else f"{round(100 * v)} %"
+    return "n/a" if v is None else percent(0.0 if abs(v) < 5e-4 else v)  # no "-0.0%"
 
 
 def _rows(data: dict) -> list[dict]:

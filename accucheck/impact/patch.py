@@ -1,6 +1,6 @@
 """Patching a module's output with a recorded tensor, and the teacher-forced runs that measure
-the output gap. Imports torch, accucheck.keys / store / errors, capture.hf (the HF runner) and
-impact.gap.
+the output gap. Imports torch, accucheck.keys / store / errors, capture.models (the HF
+runner's greedy_run) and impact.gap.
 
 Two ways to patch a site (`Plan.mode`):
 - "output": the module's output is replaced by the recorded tensor (attention, MLP, norms, any
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.hf import greedy_run
+from accucheck.capture.models import greedy_run
 from accucheck.errors import UserError
 from accucheck.impact.gap import Gap, GapSum, log_softmax
 from accucheck.keys import LOGITS_MODULE, RecordKey, split_rank

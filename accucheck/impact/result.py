@@ -1,6 +1,6 @@
 """The impact result: per site the share of the output gap it recovers, with its noise band;
 its JSON form ({"format": "accucheck-impact", "version": 1}) and its text table. Imports
-impact.gap only (no torch), so a reader of impact.json needs nothing heavy.
+impact.gap and accucheck.numbers only (no torch), so a reader of impact.json needs nothing heavy.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from accucheck.impact.gap import METRICS, Gap
+from accucheck.numbers import number, percent
 
 FORMAT = "accucheck-impact"
 VERSION = 1
@@ -81,7 +82,7 @@ class ImpactResult:
     def headline(self) -> str:
         if self.no_gap:
             return (f"no output gap: the candidate's logits match REF's (mean |Δ logprob| "
-                    f"{self.baseline.logprob:.3g}, KL {self.baseline.kl:.3g}, 0 flips); "
+                    f"{number(self.baseline.logprob)}, KL {number(self.baseline.kl)}, 0 flips); "
                     f"nothing to recover")
         t = self.top()
         names = " and ".join(s.site for s in self.leaders())
@@ -107,7 +108,7 @@ class ImpactResult:
 
 
 def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{round(100 * v)} %"
+    return "n/a" if v is None else percent(0.0 if abs(v) < 5e-4 else v)  # no "-0.0%"
 
 
 def _band(s: SiteImpact) -> str:
@@ -122,12 +123,12 @@ def render(res: ImpactResult) -> str:
 
     b = res.baseline
     lines = [f"impact of {res.ref} on the candidate ({res.device}, {res.dtype}), teacher-forced:",
-             f"baseline gap: mean |Δ logprob| {b.logprob:.4g} over {b.targeted} tokens, mean "
-             f"KL {b.kl:.4g} over {b.positions} positions, {b.flips} token flip(s)"]
+             f"baseline gap: mean |Δ logprob| {number(b.logprob)} over {b.targeted} tokens, "
+             f"mean KL {number(b.kl)} over {b.positions} positions, {b.flips} token flip(s)"]
     if res.control_gap is not None:
         g = res.control_gap
-        lines.append(f"control's own gap: mean |Δ logprob| {g.logprob:.4g}, mean KL {g.kl:.4g},"
-                     f" {g.flips} flip(s)")
+        lines.append(f"control's own gap: mean |Δ logprob| {number(g.logprob)}, mean KL "
+                     f"{number(g.kl)}, {g.flips} flip(s)")
     rows = list(res.sites) + ([res.together] if res.together else []) + list(res.children)
     if rows:
         heads = ["site", "patch", "Δlogprob rec", "KL rec", "flips rec", "band (lp / KL / fl)"]
