@@ -266,3 +266,26 @@ def test_sites_ref_did_not_record_are_listed_not_patchable(tiny, tmp_path):
                          store="full", max_new_tokens=2, include=("model.layers.0.mlp",))
     with pytest.raises(UserError, match="no selected site can be patched"):
         impact_model(none, model, ImpactOptions(plant=(FAULT,)))
+
+
+def test_a_router_fault_is_recovered_at_the_router(tmp_path):
+    """Tiny Qwen3-MoE, router logits of layer 1 off by noise (tokens go to other experts):
+    patching that router's outputs (logits, weights, expert ids) recovers the gap, the other
+    routers' do not, and the blocks upstream recover exactly nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from accucheck.capture.tiny import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    ref = capture_model(model, PROMPTS[:1], tmp_path / "ref.h5", tokenizer=tok, store="full",
+                        max_new_tokens=2)
+    router = "model.layers.1.mlp.gate"
+    res = impact_model(ref, model, ImpactOptions(
+        plant=((router, "router:noise:0.5"),),
+        include=(*BLOCKS, "model.layers.[02].mlp.gate", router)))
+    assert res.baseline.kl > 1e-4
+    assert rec(res, router) > 0.95 and rec(res, router, "kl") > 0.95
+    assert rec(res, "model.layers.0.mlp.gate") == 0.0 and rec(res, BLOCKS[0]) == 0.0
+    assert rec(res, "model.layers.2.mlp.gate") < 0.8

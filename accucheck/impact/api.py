@@ -98,27 +98,30 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
         if c is not None and requests_of(c) != requests:
             raise UserError(f"--control {c.path}: it follows other prompts or tokens than "
                             f"REF; make it with `accucheck capture MODEL --control-for {r.path}`")
-        from accucheck.capture.faults import planted
-
-        for module, fault in opts.plant:
-            stack.enter_context(planted(model, module, fault))
-        run = _Runs(model, requests, ref_logits(r, requests, "REF"), say)
+        run = _Runs(model, requests, ref_logits(r, requests, "REF"), say, opts.plant)
         return _measure(run, r, c, model, opts, requests)
 
 
 class _Runs:
     """Counts and times the teacher-forced runs."""
 
-    def __init__(self, model: nn.Module, requests, ref: dict, say: Callable[[str], None]):
+    def __init__(self, model: nn.Module, requests, ref: dict, say: Callable[[str], None],
+                 plant: Sequence[tuple[str, str]] = ()):
         self.model, self.requests, self.ref, self.say = model, requests, ref, say
+        self.plant = tuple(plant)  # planted afresh for every run: seeded faults repeat
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.count, self.seconds = 0, 0.0
         self.state = StepState()
 
     def gap(self, patches: Sequence[tuple[Plan, dict]] = ()) -> Gap:
+        from accucheck.capture.faults import planted
+
         t = time.perf_counter()
-        with patched(self.model, patches, self.state):
+        with contextlib.ExitStack() as stack:
+            for module, fault in self.plant:
+                stack.enter_context(planted(self.model, module, fault))
+            stack.enter_context(patched(self.model, patches, self.state))
             g = forced_pass(self.model, self.requests, self.device, self.ref, self.state)
         self.count += 1
         self.seconds += time.perf_counter() - t

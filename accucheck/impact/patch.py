@@ -7,7 +7,7 @@ Two ways to patch a site (`Plan.mode`):
   module whose output is not the residual stream itself);
 - "update": a decoder layer block (`model.layers.N`), whose output IS the residual stream, keeps
   the candidate's input and gets the recorded block's update added to it:
-  out = x_cand + (out_rec - in_rec). Replacing the whole stream would recover the entire gap at
+  out = out_rec + (x_cand - in_rec), i.e. x_cand + (out_rec - in_rec). Replacing the whole stream would recover the entire gap at
   every block after a fault and so name none of them. in_rec is the block's recorded input, else
   the previous block's output, else (the first block) the embeddings' output.
 """
@@ -155,17 +155,26 @@ def plan_site(index: OutputIndex, site: str, requests: Sequence[Request], *, blo
 def load_plan(reader: CaptureReader, plan: Plan, device: torch.device, dtype: torch.dtype
               ) -> dict[tuple, dict[str, torch.Tensor]]:
     """(req, step, call) -> {slot: tensor}: the recorded outputs in the candidate's dtype on its
-    device ("output"), or the block's update (out - in) in float32 ("update")."""
+    device ("output"), or the block's recorded output "0" and input "in" in float32
+    ("update")."""
     out = {}
     for (r, s, c), slots in plan.outputs.items():
         if plan.mode == "output":
-            out[(r, s, c)] = {slot: torch.from_numpy(reader.read(k).copy()).to(device, dtype)
+            out[(r, s, c)] = {slot: _tensor(reader.read(k), device, dtype)
                               for slot, k in slots.items()}
         elif c == 0:
-            delta = reader.read(slots["0"]).astype(np.float32) \
-                - reader.read(plan.inputs[(r, s)]).astype(np.float32)
-            out[(r, s, c)] = {"0": torch.from_numpy(delta).to(device)}
+            out[(r, s, c)] = {
+                "0": torch.from_numpy(reader.read(slots["0"]).astype(np.float32)).to(device),
+                "in": torch.from_numpy(reader.read(plan.inputs[(r, s)]).astype(np.float32))
+                .to(device)}
     return out
+
+
+def _tensor(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A recorded array on the candidate's device; floating ones in its dtype, integer ones
+    (MoE expert ids) as they are (bf16 holds integers exactly only up to 256)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t.to(device, dtype) if t.is_floating_point() else t.to(device)
 
 
 class StepState:
@@ -206,12 +215,14 @@ def _hook(site: str, mode: str, tensors: dict, state: StepState):
             return None
         if mode == "update":
             x = args[0] if args else kwargs.get("hidden_states")
-            d = rec["0"]
-            if not isinstance(x, torch.Tensor) or x.shape != d.shape:
-                raise UserError(f"{site}: its input is {_shape(x)}, the recorded update "
-                                f"{list(d.shape)}: another model or other prompts than the "
+            o, i = rec["0"], rec["in"]
+            if not isinstance(x, torch.Tensor) or x.shape != i.shape:
+                raise UserError(f"{site}: its input is {_shape(x)}, the recorded input "
+                                f"{list(i.shape)}: another model or other prompts than the "
                                 f"reference's?")
-            rec = {"0": (x.float() + d).to(x.dtype)}
+            # out_REF + (x - in_REF): exactly out_REF where the input is REF's (upstream of
+            # any difference), so a block there recovers exactly nothing
+            rec = {"0": (o + (x.float() - i)).to(x.dtype)}
         return _replace(out, rec, site)
     return hook
 
