@@ -6,6 +6,7 @@ of the output gap each recovers. Imports torch, bottom (store, keys, paths, erro
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import time
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
     afterwards). Raises UserError for inputs that do not fit the model."""
     opts = opts or ImpactOptions()
     say = progress or (lambda _msg: None)
+    if model.training:  # dropout would move every run: an eval copy, the user's untouched
+        model = copy.deepcopy(model).eval()
     with contextlib.ExitStack() as stack:
         r = stack.enter_context(open_capture(ref))
         c = stack.enter_context(open_capture(opts.control)) if opts.control else None
