@@ -20,8 +20,8 @@ from accucheck.capture.models import check_model_dir, config_hash, load_model_di
 from accucheck.errors import UserError
 from accucheck.impact.gap import Gap, recovered
 from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, forced_pass,
-                                    load_plan, logits_gap, patched, plan_site, ref_logits,
-                                    requests_of)
+                                    load_plan, logits_gap, logits_keys, patched, plan_site,
+                                    ref_logits, requests_of)
 from accucheck.impact.result import ImpactResult, SiteImpact
 from accucheck.keys import is_layer_block, layer_of
 from accucheck.paths import check_not_input, check_output_file
@@ -59,7 +59,7 @@ def check_capture(path: str | Path, flag: str) -> None:
                             f"tensors in: capture it with --store full")
         if not r.requests:
             raise UserError(f"{flag} {path}: it holds no prompts")
-        ref_logits(r, requests_of(r), flag)
+        logits_keys(r, requests_of(r), flag)
 
 
 def impact_dir(ref: str | Path, model_dir: str | Path, opts: ImpactOptions, *,

@@ -81,9 +81,9 @@ def missing_step(index: OutputIndex, module: str, requests: Sequence[Request],
     return None
 
 
-def ref_logits(reader: CaptureReader, requests: Sequence[Request], flag: str
-               ) -> dict[tuple[int, int], np.ndarray]:
-    """(req, step) -> the capture's log-softmax (positions, vocab), float64."""
+def logits_keys(reader: CaptureReader, requests: Sequence[Request], flag: str
+                ) -> dict[tuple[int, int], RecordKey]:
+    """(req, step) -> the capture's full logits record (UserError when one is missing)."""
     out = {}
     for r, req in enumerate(requests):
         for s in req.steps():
@@ -91,8 +91,17 @@ def ref_logits(reader: CaptureReader, requests: Sequence[Request], flag: str
             if key not in reader or not reader.row(key).has_data:
                 raise UserError(f"{flag} {reader.path}: no full logits record {key}; capture it "
                                 f"with --store full (logits are recorded by default)")
-            arr = reader.read(key)
-            out[(r, s)] = log_softmax(arr.reshape(-1, arr.shape[-1]))
+            out[(r, s)] = key
+    return out
+
+
+def ref_logits(reader: CaptureReader, requests: Sequence[Request], flag: str
+               ) -> dict[tuple[int, int], np.ndarray]:
+    """(req, step) -> the capture's log-softmax (positions, vocab), float64."""
+    out = {}
+    for at, key in logits_keys(reader, requests, flag).items():
+        arr = reader.read(key)
+        out[at] = log_softmax(arr.reshape(-1, arr.shape[-1]))
     return out
 
 
