@@ -7,9 +7,10 @@ Two ways to patch a site (`Plan.mode`):
   module whose output is not the residual stream itself);
 - "update": a decoder layer block (`model.layers.N`), whose output IS the residual stream, keeps
   the candidate's input and gets the recorded block's update added to it:
-  out = out_rec + (x_cand - in_rec), i.e. x_cand + (out_rec - in_rec). Replacing the whole stream would recover the entire gap at
-  every block after a fault and so name none of them. in_rec is the block's recorded input, else
-  the previous block's output, else (the first block) the embeddings' output.
+  out = out_rec + (x_cand - in_rec), i.e. x_cand + (out_rec - in_rec). Replacing the whole
+  stream would recover the entire gap at every block after a fault and so name none of them.
+  in_rec is the block's recorded input, else the previous block's output, else (the first
+  block) the embeddings' output.
 """
 from __future__ import annotations
 
