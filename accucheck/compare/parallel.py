@@ -55,11 +55,30 @@ def measure(differ, work: Sequence[tuple], total: int) -> list:
     docstring). Adds the pool's bytes read, unread pairs and transform counts to `differ`."""
     costs = [_cost(differ, w) for w in work]
     spec = _spec(differ)
-    if (differ.jobs <= 1 or spec is None or len(work) < 2
+    if (differ.jobs <= 1 or spec is None or len(work) < 2 or not _main_importable()
             or sum(c for c in costs if c > SMALL_PAIR_BYTES) < MIN_PARALLEL_BYTES):
         return differ.measure_serial(work, total)
     chunks = _chunks(costs, differ.jobs * CHUNKS_PER_JOB)
     return _pool(differ, spec, work, chunks, total)
+
+
+def _context():
+    """forkserver (its server imports the diff's modules once, so a worker starts in a few
+    milliseconds; it lives as long as this process), else spawn; never fork."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["accucheck.compare.diff", "accucheck.compare.parallel"])
+    return ctx
+
+
+def _main_importable() -> bool:
+    """A spawned / forkserver worker imports the parent's main script (as __mp_main__): not
+    possible for a script read from stdin; such a parent stays serial."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is None or os.path.exists(path)
 
 
 def _cost(differ, w: tuple) -> int:
@@ -106,8 +125,7 @@ def _spec(differ) -> dict | None:
 
 
 def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total: int) -> list:
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    ctx = _context()
     results: list = [None] * len(chunks)
     done = read = 0
     start = said = time.perf_counter()
