@@ -197,3 +197,16 @@ def test_cli_jobs_a_dead_worker_exits_3_in_one_line_and_jobs_0_is_usage(tmp_path
     p = subprocess.run([sys.executable, "-m", "accucheck", "diff", str(a), str(b), "--jobs", "0"],
                        capture_output=True, text=True)
     assert p.returncode == 2, p.stderr
+
+
+def test_cli_says_how_many_bytes_it_read(tmp_path):
+    t = base()
+    c = dict(t)
+    c["r0.s0:model.norm#0:out.0"] = t["r0.s0:model.norm#0:out.0"] * 1.5
+    a, b = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c)
+    p = subprocess.run([sys.executable, "-m", "accucheck", "diff", str(a), str(b), "--jobs", "1"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1, p.stderr
+    line = next(x for x in p.stderr.splitlines() if x.startswith("diff: read "))
+    assert line.startswith("diff: read 2.3 kB of 19.2 kB of tensor data (12.0 %) (11 record "
+                           "pairs with equal content hashes measured without reading them)"), line

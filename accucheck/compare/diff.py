@@ -672,12 +672,19 @@ def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
 
 def io_line(io: dict) -> str:
     """"diff: read X of Y MB of tensor data (...)" from `DiffResult.io`."""
-    line = (f"diff: read {io['bytes_read'] / 1e6:.1f} of {io['bytes_data'] / 1e6:.1f} MB of "
-            f"tensor data")
+    line = (f"diff: read {_size(io['bytes_read'])} of {_size(io['bytes_data'])} of tensor "
+            f"data ({100 * io['bytes_read'] / max(io['bytes_data'], 1):.1f} %)")
     if io.get("unread_identical"):
         line += (f" ({io['unread_identical']} record pairs with equal content hashes "
                  f"measured without reading them)")
     return line + (f", {io['jobs']} processes" if io.get("jobs", 1) > 1 else "")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _square_sum_positive(row: IndexRow) -> bool | None:
