@@ -263,8 +263,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
-    from accucheck.compare.diff import diff_captures, io_line
-    from accucheck.compare.parallel import available_cores
+    from accucheck.compare.diff import diff_captures
+    from accucheck.compare.parallel import available_cores, io_line
     from accucheck.verdict.locate import Analysis, locate
     from accucheck.report.diff import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable

@@ -670,23 +670,6 @@ def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
     return StatsDelta(False, rel, name if bound > 0 else None, naninf)
 
 
-def io_line(io: dict) -> str:
-    """"diff: read X of Y MB of tensor data (...)" from `DiffResult.io`."""
-    line = (f"diff: read {_size(io['bytes_read'])} of {_size(io['bytes_data'])} of tensor "
-            f"data ({100 * io['bytes_read'] / max(io['bytes_data'], 1):.1f} %)")
-    if io.get("unread_identical"):
-        line += (f" ({io['unread_identical']} record pairs with equal content hashes "
-                 f"measured without reading them)")
-    return line + (f", {io['jobs']} processes" if io.get("jobs", 1) > 1 else "")
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def _square_sum_positive(row: IndexRow) -> bool | None:
     """From a record's index statistics: whether the sum of squares of its finite elements is
     0 (False) or lies safely inside (1e-140, 1e140) (True); None when the statistics cannot

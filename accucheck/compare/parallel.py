@@ -120,8 +120,8 @@ def _spec(differ) -> dict | None:
              if x is not None}
     if any(v is None for v in sides.values()):
         return None
-    return {"differ": type(differ), "sides": sides, "tol": differ.tol, "max_elems": differ.max_elems,
-            "transforms": differ.transforms, "die": os.environ.get(TEST_DIE_ENV)}
+    return {"differ": type(differ), "sides": sides, "tol": differ.tol,
+            "max_elems": differ.max_elems, "transforms": differ.transforms, "die": os.environ.get(TEST_DIE_ENV)}
 
 
 def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total: int) -> list:
@@ -190,6 +190,23 @@ def progress_line(n: int, total: int, nbytes_read: int, seconds: float) -> str:
         line += (f", {nbytes_read / 1e9:.2f} GB read, "
                  f"{nbytes_read / 1e9 / max(seconds, 1e-9):.2f} GB/s")
     return line
+
+
+def io_line(io: dict) -> str:
+    """"diff: read X of Y MB of tensor data (...)" from `DiffResult.io`."""
+    line = (f"diff: read {_size(io['bytes_read'])} of {_size(io['bytes_data'])} of tensor "
+            f"data ({100 * io['bytes_read'] / max(io['bytes_data'], 1):.1f} %)")
+    if io.get("unread_identical"):
+        line += (f" ({io['unread_identical']} record pairs with equal content hashes "
+                 f"measured without reading them)")
+    return line + (f", {io['jobs']} processes" if io.get("jobs", 1) > 1 else "")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 # ----------------------------------------------------------------------------- in a worker
