@@ -178,19 +178,22 @@ def scaling(work: Path, mib: int, jobs: list[int]) -> None:
     baseline(ref, cand)  # warm the page cache
     print(f"scaling: a {2 * mib} MiB pair ({mib} MiB per file, every record differs, all read); "
           f"{available_cores()} cores available; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'jobs':>4} {'s':>7} {'GB read':>8} {'GB/s':>6} {'speed-up':>8} {'per core':>8}")
+    print(f"{'jobs':>4} {'s':>7} {'GB read':>8} {'GB/s':>6} {'speed-up':>8} {'per core':>8} "
+          f"{'CPU s':>6} {'GB/CPU-s':>8}")
     base, rates = None, {}
     for j in jobs:
         t, d = timed_result(lambda: diff_captures(ref, cand, jobs=j))
         gb = d.io["bytes_read"] / 1e9
         base = base or gb / t
         rates[j] = gb / t
+        cpu = d.io["cpu_s"]  # the measuring processes' CPU time: what a free core would do
         print(f"{j:>4} {t:>7.2f} {gb:>8.2f} {gb / t:>6.2f} {gb / t / base:>8.2f} "
-              f"{gb / t / base / j:>8.2f}")
+              f"{gb / t / base / j:>8.2f} {cpu:>6.2f} {gb / cpu:>8.2f}")
     best = max(r / j for j, r in rates.items())
     print(f"per core: accucheck {1000 * best:.0f} MB/s (best of the rows above); msprobe's "
           f"published 0.1-0.3 GB/s on a 192-core machine is {100 / 192:.1f}-{300 / 192:.1f} MB/s "
-          f"per core ({1000 * best / (300 / 192):.0f}-{1000 * best / (100 / 192):.0f} x less)")
+          f"per core (accucheck per core: {1000 * best / (300 / 192):.0f}-{1000 * best / (100 / 192):.0f}"
+          f" x msprobe's)")
     same_ref, same_cand = make_mostly_identical(work, mib)
     old_ref = without_hashes(same_ref, work / "old_ref.h5")
     old_cand = without_hashes(same_cand, work / "old_cand.h5")

@@ -179,6 +179,7 @@ class _Differ:
         self.bytes_read = 0  # tensor bytes read by the comparisons (all sides)
         self.unread = 0      # pairs measured from their equal content hashes, not read
         self.processes = 1   # processes that measured the pairs (compare.parallel)
+        self.cpu_s = 0.0     # CPU seconds spent measuring them, all processes together
         self.transforms = transforms
         self._applied: dict[str, list[int]] = {t.text: [0, 0] for t in transforms}
         self.tol = tol
@@ -367,23 +368,26 @@ class _Differ:
                           routing=routing, io=self.io())
 
     def io(self) -> dict:
-        """Tensor bytes read against the captures' tensor data (ref + cand, + golden)."""
+        """Tensor bytes read against the captures' tensor data (ref + cand, + golden), the
+        processes that measured the pairs and their CPU seconds (see DiffResult.io)."""
         sides = [x for x in (self.R, self.C, self.G) if x is not None]
         return {"bytes_read": self.bytes_read, "bytes_data": sum(map(data_bytes, sides)),
-                "unread_identical": self.unread, "jobs": self.processes}
+                "unread_identical": self.unread, "jobs": self.processes,
+                "cpu_s": self.cpu_s}
 
     def measure_serial(self, work: Sequence[tuple], total: int
                        ) -> list[tuple[RecordDiff, LogitsStep | None]]:
         """`_compare` of every work item in this process, with progress lines: the first at
         once, then one every PROGRESS_EVERY_S."""
         out: list[tuple[RecordDiff, LogitsStep | None]] = []
-        said, start = -math.inf, time.perf_counter()
+        said, start, cpu = -math.inf, time.perf_counter(), time.process_time()
         for n, ra, ca, grow, shadow in work:
             if self.progress and (not out or time.monotonic() - said >= PROGRESS_EVERY_S):
                 said = time.monotonic()   # the start, then a line every 2 s of a long diff
                 self.progress(progress_line(n, total, self.bytes_read,
                                             time.perf_counter() - start))
             out.append(self._compare(ra, ca, grow, shadow))
+        self.cpu_s += time.process_time() - cpu
         return out
 
     def _row_tolerance(self, ra: IndexRow, ca: IndexRow) -> Tolerance:

@@ -140,12 +140,13 @@ def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 i = pending.pop(f)
-                out, nread, unread, applied = f.result()  # a worker's UserError raised here
+                out, nread, unread, applied, cpu = f.result()  # a worker's UserError here
                 results[i] = out
                 done += len(out)
                 read += nread
                 differ.bytes_read += nread
                 differ.unread += unread
+                differ.cpu_s += cpu
                 for text, (a, b) in applied.items():
                     differ._applied[text][0] += a
                     differ._applied[text][1] += b
@@ -229,13 +230,15 @@ def _init(spec: dict) -> None:
 
 
 def _run(index: int, items: list[tuple]) -> tuple:
-    """One chunk: the pairs' (RecordDiff, LogitsStep | None), bytes read, pairs not read, and
-    the transforms' (applied, statistics only) counts of this chunk."""
+    """One chunk: the pairs' (RecordDiff, LogitsStep | None), bytes read, pairs not read, the
+    transforms' (applied, statistics only) counts of this chunk, and its CPU seconds."""
     if _WORKER.get("die") is not None and index == _WORKER["die"]:
         os._exit(9)  # tests (TEST_DIE_ENV): a worker killed while it works
+    cpu = time.process_time()
     d = _WORKER["differ"]
     d.bytes_read = d.unread = 0
     for counts in d._applied.values():
         counts[0] = counts[1] = 0
     out = [d._compare(ra, ca, grow, shadow) for ra, ca, grow, shadow in items]
-    return out, d.bytes_read, d.unread, {t: tuple(c) for t, c in d._applied.items()}
+    return (out, d.bytes_read, d.unread, {t: tuple(c) for t, c in d._applied.items()},
+            time.process_time() - cpu)
