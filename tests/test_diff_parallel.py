@@ -210,3 +210,27 @@ def test_cli_says_how_many_bytes_it_read(tmp_path):
     line = next(x for x in p.stderr.splitlines() if x.startswith("diff: read "))
     assert line.startswith("diff: read 2.3 kB of 19.2 kB of tensor data (12.0 %) (11 record "
                            "pairs with equal content hashes measured without reading them)"), line
+
+
+def test_parallel_mapped_vllm_and_rank_shards_equal_serial(tmp_path, pool):
+    """vLLM's fused qkv (two tensor-parallel ranks) against transformers' q / k / v, a fault
+    in k: the workers open the vLLM capture through compare.mapping as the parent does."""
+    from test_mapping import KV, L, Q, _vllm
+    from test_verdicts import cap
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 3, 8))
+    q, k, v = (rng.standard_normal((1, 3, n)) for n in (Q, KV, KV))
+    hf = cap(tmp_path / "h.h5", [(f"r0.s0:{L}.input_layernorm#0:out.0", x, None, None)] +
+             [(f"r0.s0:{L}.self_attn.{n}_proj#0:out.0", t, None, None)
+              for n, t in (("q", q), ("k", k * 1.01), ("v", v))])
+    shard = [np.concatenate([q[..., r * Q // 2:(r + 1) * Q // 2],
+                             k[..., r * KV // 2:(r + 1) * KV // 2],
+                             v[..., r * KV // 2:(r + 1) * KV // 2]], axis=-1) for r in (0, 1)]
+    base = f"r0.s0:{L}.self_attn.qkv_proj#0:out.0"
+    vl = _vllm(tmp_path / "v.h5", [(f"r0.s0:{L}.input_layernorm#0:out.0", x, None, None)]
+               + [(f"{base}.rank{r}", shard[r], None, None) for r in (0, 1)], tp=2)
+    serial, par = diff_captures(hf, vl), diff_captures(hf, vl, jobs=2)
+    assert par.io["jobs"] == 2 and par.mapping is not None
+    assert [r.key.module for r in par.failed] == [f"{L}.self_attn.k_proj"]
+    same(serial, par)
