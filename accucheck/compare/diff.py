@@ -52,7 +52,8 @@ from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetri
                                        top2_margin, topk_overlap)
 from accucheck.compare.mapping import MappedCapture, mapping_table, maybe_mapped
 from accucheck.compare.opmatch import align_captures
-from accucheck.compare.parallel import data_bytes, measure, nbytes, progress_line
+from accucheck.compare.parallel import (data_bytes, measure, nbytes, progress_line,
+                                        square_sum_positive, unread_pair)
 from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
@@ -440,11 +441,11 @@ class _Differ:
             self._applied[t.text][1] += 1
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
-        if self.unread_pair(ra, ca, grow, shadow):
+        if unread_pair(ra, ca, grow, shadow, self.transforms):
             self.unread += 1
             st = ra.stats
             m = identical_metrics(ra.dtype, ca.dtype, st.numel, st.numel - st.nan - st.inf,
-                                  _square_sum_positive(ra), rtol=tol.rtol, atol=tol.atol,
+                                  square_sum_positive(ra), rtol=tol.rtol, atol=tol.atol,
                                   scale=_rms(ra))
             return RecordDiff(basis="tensor", metrics=m, **base), None
         if not (ra.has_data and ca.has_data):
@@ -492,18 +493,6 @@ class _Differ:
                 else GoldenLabel("n/a", None, None, mult)
         rd = RecordDiff(basis="tensor", metrics=metrics, shadow=shadow_m, golden=glabel, **base)
         return rd, (LogitsStep(ra.key, tuple(positions)) if is_logits else None)
-
-    def unread_pair(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
-                    shadow: IndexRow | None) -> bool:
-        """A pair measured without reading it: equal non-zero content hashes (/index/hash), the
-        same dtype and shape, tensors on both sides, no transform, golden or shadow to read
-        with it, not logits (their positions need the values), and index statistics that fix
-        what the metrics of two identical tensors are (`_square_sum_positive`)."""
-        return (ra.hash != 0 and ra.hash == ca.hash and ra.dtype == ca.dtype
-                and ra.shape == ca.shape and ra.has_data and ca.has_data
-                and ra.kind != "logits" and grow is None and shadow is None
-                and not any(t.matches(ra.key) for t in self.transforms)
-                and _square_sum_positive(ra) is not None)
 
     def _transformed(self, ra: IndexRow, ca: IndexRow, todo: list[Transform], tol: Tolerance,
                      base: dict) -> RecordDiff:
@@ -672,23 +661,6 @@ def stats_delta(ra: IndexRow, ca: IndexRow) -> StatsDelta:
     bound = cands[name]
     rel = bound / a.l2 if a.l2 > 0 else (math.inf if bound > 0 else 0.0)
     return StatsDelta(False, rel, name if bound > 0 else None, naninf)
-
-
-def _square_sum_positive(row: IndexRow) -> bool | None:
-    """From a record's index statistics: whether the sum of squares of its finite elements is
-    0 (False) or lies safely inside (1e-140, 1e140) (True); None when the statistics cannot
-    tell (l2 near float64's limits, not finite, counts that do not add up): then the tensors
-    are read. This is all the metrics of two identical tensors depend on (metrics
-    .identical_metrics)."""
-    st = row.stats
-    finite = st.numel - st.nan - st.inf
-    if st.numel != math.prod(row.shape) or finite < 0:
-        return None
-    if finite == 0 or st.zero == finite:
-        return False
-    if not math.isfinite(st.l2) or not 1e-70 < st.l2 < 1e70:
-        return None
-    return True
 
 
 def _rms(row: IndexRow) -> float | None:

@@ -1,4 +1,5 @@
-"""The record pairs of a diff measured by a pool of processes, and the bytes a diff reads.
+"""The record pairs of a diff measured by a pool of processes, which pairs must be read at all
+(`unread_pair`: equal content hashes), and the bytes a diff reads.
 Imports errors, store and compare.mapping; never torch, never compare.diff (its _Differ comes
 in the worker's spec, by reference).
 
@@ -83,7 +84,7 @@ def _main_importable() -> bool:
 
 def _cost(differ, w: tuple) -> int:
     _n, ra, ca, grow, shadow = w
-    if not (ra.has_data and ca.has_data) or differ.unread_pair(ra, ca, grow, shadow):
+    if not (ra.has_data and ca.has_data) or unread_pair(ra, ca, grow, shadow, differ.transforms):
         return SMALL_PAIR_BYTES
     return nbytes(ra) + nbytes(ca) + (nbytes(grow) if grow is not None else 0) + (
         nbytes(ra) + nbytes(shadow) if shadow is not None else 0)
@@ -191,6 +192,36 @@ def progress_line(n: int, total: int, nbytes_read: int, seconds: float) -> str:
         line += (f", {nbytes_read / 1e9:.2f} GB read, "
                  f"{nbytes_read / 1e9 / max(seconds, 1e-9):.2f} GB/s")
     return line
+
+
+def unread_pair(ra, ca, grow, shadow, transforms) -> bool:
+    """A pair (ref row, cand row, golden row or None, shadow row or None) that compare.diff
+    measures without reading it: equal non-zero content hashes (/index/hash), the same dtype
+    and shape, tensors on both sides, no transform, golden or shadow to read with it, not
+    logits (their positions need the values), and index statistics that fix what the metrics
+    of two identical tensors are (`square_sum_positive`)."""
+    return (ra.hash != 0 and ra.hash == ca.hash and ra.dtype == ca.dtype
+            and ra.shape == ca.shape and ra.has_data and ca.has_data
+            and ra.kind != "logits" and grow is None and shadow is None
+            and not any(t.matches(ra.key) for t in transforms)
+            and square_sum_positive(ra) is not None)
+
+
+def square_sum_positive(row) -> bool | None:
+    """From a record's index statistics: whether the sum of squares of its finite elements is
+    0 (False) or lies safely inside (1e-140, 1e140) (True); None when the statistics cannot
+    tell (l2 near float64's limits, not finite, counts that do not add up): then the tensors
+    are read. This is all the metrics of two identical tensors depend on (metrics
+    .identical_metrics)."""
+    st = row.stats
+    finite = st.numel - st.nan - st.inf
+    if st.numel != math.prod(row.shape) or finite < 0:
+        return None
+    if finite == 0 or st.zero == finite:
+        return False
+    if not math.isfinite(st.l2) or not 1e-70 < st.l2 < 1e70:
+        return None
+    return True
 
 
 def io_line(io: dict) -> str:
