@@ -177,6 +177,13 @@ def test_a_record_a_worker_cannot_read_is_one_user_error(tmp_path, pool):
         diff_captures(a, b, jobs=2)
 
 
+def test_jobs_below_one_is_a_usage_error(tmp_path):
+    a, b = _noisy_pair(tmp_path)
+    with pytest.raises(UserError, match="jobs 0") as e:
+        diff_captures(a, b, jobs=0)
+    assert e.value.exit_code == 2
+
+
 def test_a_worker_that_dies_is_one_user_error_exit_3_no_verdict(tmp_path, pool, monkeypatch):
     a, b = _noisy_pair(tmp_path)
     monkeypatch.setenv(parallel.TEST_DIE_ENV, "1")

@@ -106,6 +106,8 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     opened and closed here; open readers are used as they are. Raises UserError (exit 3) for
     unreadable / incomplete / incompatible captures.
     """
+    if not isinstance(jobs, int) or jobs < 1:
+        raise UserError.usage(f"jobs {jobs!r}: give a number of processes >= 1")
     tol = tolerances or ToleranceTable()
     opened: list[CaptureReader] = []
 
