@@ -122,19 +122,22 @@ def _spec(differ) -> dict | None:
     if any(v is None for v in sides.values()):
         return None
     return {"differ": type(differ), "sides": sides, "tol": differ.tol,
-            "max_elems": differ.max_elems, "transforms": differ.transforms, "die": os.environ.get(TEST_DIE_ENV)}
+            "max_elems": differ.max_elems, "transforms": differ.transforms,
+            "die": os.environ.get(TEST_DIE_ENV)}
 
 
 def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total: int) -> list:
-    ctx = _context()
     results: list = [None] * len(chunks)
     done = read = 0
     start = said = time.perf_counter()
-    if differ.progress:
-        differ.progress(f"diff: 0/{total} records ({differ.jobs} processes)")
+    try:
+        ex = ProcessPoolExecutor(max_workers=min(differ.jobs, len(chunks)),
+                                 mp_context=_context(), initializer=_init, initargs=(spec,))
+    except OSError:  # no processes here (a sandbox without semaphores): this process then
+        return differ.measure_serial(work, total)
     differ.processes = min(differ.jobs, len(chunks))
-    ex = ProcessPoolExecutor(max_workers=differ.processes, mp_context=ctx,
-                             initializer=_init, initargs=(spec,))
+    if differ.progress:
+        differ.progress(f"diff: 0/{total} records ({differ.processes} processes)")
     try:
         pending = {ex.submit(_run, i, [work[j][1:] for j in c]): i for i, c in enumerate(chunks)}
         while pending:
@@ -152,7 +155,7 @@ def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total:
                     differ._applied[text][0] += a
                     differ._applied[text][1] += b
             now = time.perf_counter()
-            if differ.progress and now - said >= 2.0:
+            if differ.progress and now - said >= 2.0:  # compare.diff.PROGRESS_EVERY_S
                 said = now
                 differ.progress(progress_line(done, total, read, now - start))
     except BrokenProcessPool:
