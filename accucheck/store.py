@@ -39,9 +39,10 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             all 0): a content hash of the stored tensor: the first 8 bytes of
                             the SHA-256 of its C-order bytes in the stored representation
                             (bfloat16 as its uint16 bit patterns), as a signed little-endian
-                            int64, never 0; 0 when no tensor is stored. Position-sensitive: two records with the same
-                            non-zero hash, dtype and shape hold the same tensor (up to a 2**-64
-                            collision), so a diff need not read them (compare.diff)
+                            int64, never 0; 0 when no tensor is stored. Position-sensitive:
+                            two records with the same non-zero hash, dtype and shape hold the
+                            same tensor (up to a 2**-64 collision), so a diff need not read
+                            them (compare.parallel.unread_pair)
     /index/sample           [n, 64] float64 (OPTIONAL, like extra): a fixed sample of the
                             tensor's values at flat (C-order) positions
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
