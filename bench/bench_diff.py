@@ -192,8 +192,8 @@ def scaling(work: Path, mib: int, jobs: list[int]) -> None:
     best = max(r / j for j, r in rates.items())
     print(f"per core: accucheck {1000 * best:.0f} MB/s (best of the rows above); msprobe's "
           f"published 0.1-0.3 GB/s on a 192-core machine is {100 / 192:.1f}-{300 / 192:.1f} MB/s "
-          f"per core (accucheck per core: {1000 * best / (300 / 192):.0f}-{1000 * best / (100 / 192):.0f}"
-          f" x msprobe's)")
+          f"per core (accucheck per core: {1000 * best / (300 / 192):.0f}-"
+          f"{1000 * best / (100 / 192):.0f} x msprobe's)")
     same_ref, same_cand = make_mostly_identical(work, mib)
     old_ref = without_hashes(same_ref, work / "old_ref.h5")
     old_cand = without_hashes(same_cand, work / "old_cand.h5")
