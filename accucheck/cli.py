@@ -251,12 +251,16 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--allow-model-mismatch", is_flag=True,
               help="compare captures of different model configs (e.g. a checkpoint conversion);"
                    " refused by default")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="processes measuring the records (default: the cores available to this "
+                   "process; 1: this process only). Same verdict whatever the number")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
-         include, transforms, amplification, allow_incomplete, allow_model_mismatch):
+         include, transforms, amplification, allow_incomplete, allow_model_mismatch, jobs):
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
     from accucheck.compare.diff import diff_captures
+    from accucheck.compare.parallel import available_cores, io_line
     from accucheck.verdict.locate import Analysis, locate
     from accucheck.report.diff import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
@@ -294,9 +298,11 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
                       allow_incomplete=allow_incomplete, progress=progress,
                       allow_model_mismatch=allow_model_mismatch, controls=controls,
-                      transforms=declared)
+                      transforms=declared, jobs=jobs or available_cores())
     while head:
         err(head.pop())
+    if d.io and d.io["bytes_data"]:
+        err(io_line(d.io))
     result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
     if fmt == "html":
         from accucheck.report.html_diff import to_html

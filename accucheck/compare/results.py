@@ -232,6 +232,10 @@ class DiffResult:
     routing: RoutingResult | None = None     # MoE routing (compare.routing); None: no router
     mapping: dict | None = None              # vLLM fused records shown as transformers'
                                              # (compare.mapping): sides and table; None: none
+    io: dict | None = field(default=None, compare=False)  # bytes_read, bytes_data (tensor
+    # bytes read against the captures' tensor data), unread_identical (pairs measured from
+    # equal content hashes), jobs (processes used), cpu_s (their CPU seconds measuring the
+    # pairs) (compare.diff); how, not what: not compared
 
     @property
     def precision_findings(self) -> tuple[RecordDiff, ...]:
