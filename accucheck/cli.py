@@ -259,9 +259,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
-    from accucheck.compare.diff import diff_captures
     from accucheck.compare.parallel import available_cores, io_line
-    from accucheck.verdict.locate import Analysis, locate
+    from accucheck.verdict.locate import analyze
     from accucheck.report.diff import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
@@ -295,15 +294,15 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
             err(head.pop())
         err(msg)
 
-    d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
-                      allow_incomplete=allow_incomplete, progress=progress,
-                      allow_model_mismatch=allow_model_mismatch, controls=controls,
-                      transforms=declared, jobs=jobs or available_cores())
+    result = analyze(ref, cand, golden, amplification=amplification or DEFAULT_AMPLIFICATION,
+                     tolerances=tol, steps=steps or None, include=include,
+                     allow_incomplete=allow_incomplete, progress=progress,
+                     allow_model_mismatch=allow_model_mismatch, controls=controls,
+                     transforms=declared, jobs=jobs or available_cores())
     while head:
         err(head.pop())
-    if d.io and d.io["bytes_data"]:
-        err(io_line(d.io))
-    result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
+    if result.diff.io and result.diff.io["bytes_data"]:
+        err(io_line(result.diff.io))
     if fmt == "html":
         from accucheck.report.html_diff import to_html
 
