@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from accucheck.compare.results import RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.keys import RecordKey, layer_kind, rank_slot, split_rank
-from accucheck.report.diff import to_text, verdict_line
-from accucheck.report.html_assets import CSS, FIELDS, JS, TEXT_FIELDS
+from accucheck.store import Stats
+from accucheck.report.diff import _g, to_text, verdict_line
+from accucheck.report.html_assets import CSS, FIELDS, JS, STATS, TEXT_FIELDS
 from accucheck.report.html_curves import _curves, _e, _logits, _routing
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import RecordLocation
@@ -52,8 +53,10 @@ class _Cell:
     records: int = 0
     judged: int = 0                   # records compared and judged here
     per_request: dict = field(default_factory=dict)  # request -> its largest rel_l2 here
+    req_value: dict = field(default_factory=dict)    # request -> its largest `value` here
+    reqs: set = field(default_factory=set)           # requests with a record here
     one_side: list = field(default_factory=list)  # "KEY (only in ref)" of missing records
-    marks: set = field(default_factory=set)
+    marks: dict = field(default_factory=dict)     # mark -> the requests of its records
 
 
 def column(key: RecordKey) -> tuple[int | None, str]:
@@ -78,8 +81,9 @@ def to_html(a: Analysis) -> str:
     cells, kinds, outside = _cells(a, _marks(a, cu))
     steps = sorted({c[0] for c in cells})
     layers = sorted({c[1] for c in cells if c[1] is not None})
+    reqs = sorted({q for x in cells.values() for q in x.reqs})
     blob: list[list] = []
-    panels = [_panel(cells, s, layers, kinds, outside, blob) for s in steps]
+    panels = [_panel(cells, s, layers, kinds, outside, blob, reqs) for s in steps]
     verdict = verdict_line(a)
     cls = "pass" if a.within else "fail"
     culprit = ""
@@ -88,13 +92,13 @@ def to_html(a: Analysis) -> str:
 
         culprit = "<h2>Culprit</h2><pre id=\"culprit\">" + _e(
             "\n".join(culprit_lines(cu))) + "</pre>"
-    buttons = "".join(f'<button type="button" data-step="{s}">step {s}</button>'
-                      for s in steps) + '<button type="button" data-step="all">all</button>'
     first = a.location.first_divergence
     start = str(first.step) if first is not None else (str(steps[0]) if steps else "all")
     data = json.dumps(blob, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    js = JS.replace("%FIELDS%", json.dumps(list(FIELDS))).replace(
-        "%TEXT_FIELDS%", json.dumps(list(TEXT_FIELDS)))
+    js = JS
+    for name, value in (("FIELDS", FIELDS), ("TEXT_FIELDS", TEXT_FIELDS), ("STATS", STATS),
+                        ("MARKS", [(m, sym) for m, sym, _ in MARKS])):
+        js = js.replace(f"%{name}%", json.dumps(list(value)))
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>accucheck diff: {a.verdict.upper()}</title><style>{CSS}</style></head><body>",
@@ -105,7 +109,7 @@ def to_html(a: Analysis) -> str:
         f"tolerance, {len(d.missing)} on one side only</p>",
         culprit,
         "<h2>Model</h2>", _legend(a),
-        f"<div class=\"steps\" id=\"steps\" data-first=\"{start}\">{buttons}</div>",
+        _switches(steps, reqs, start),
         "<div class=\"wrap\"><div>", "".join(panels) or "<p>no records compared</p>",
         "</div><div id=\"detail\">hover a cell for its metrics; click to pin</div></div>",
         "<h2>Error per layer</h2>", _curves(a),
@@ -115,6 +119,21 @@ def to_html(a: Analysis) -> str:
         _e(to_text(a)), "</pre></details>",
         f"<script type=\"application/json\" id=\"acc-cells\">{data}</script>",
         f"<script>{js}</script></body></html>\n"])
+
+
+def _switches(steps: list[int], reqs: list[int], start: str) -> str:
+    """The step switch (one panel, `start` first) and, with several requests, the request
+    switch (the heatmap's colours, marks and the curves of one request, or of all: the worst
+    over them)."""
+    out = ('<div class="steps" id="steps" data-first="' + start + '">'
+           + "".join(f'<button type="button" data-step="{s}">step {s}</button>' for s in steps)
+           + '<button type="button" data-step="all">all</button></div>')
+    if len(reqs) > 1:
+        out += ('<div class="steps" id="reqs" data-reqs="' + " ".join(map(str, reqs)) + '">'
+                + '<button type="button" data-req="all">all requests</button>'
+                + "".join(f'<button type="button" data-req="{q}">request {q}</button>'
+                          for q in reqs) + "</div>")
+    return out
 
 
 # ----------------------------------------------------------------------------- cells
@@ -134,6 +153,7 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
         x = cells.setdefault(c, _Cell())
         x.records += 1
+        x.reqs.add(r.key.req)
         if r.routing in JUDGED_ELSEWHERE or r.absorbed:
             continue  # not judged by its numbers here: shown as not compared unless others are
         x.judged += 1
@@ -148,6 +168,7 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         x.value = max(x.value, v)
         q = r.key.req
         x.per_request[q] = max(x.per_request.get(q, 0.0), r.error)
+        x.req_value[q] = max(x.req_value.get(q, -1.0), v)
         pin = str(r.key) in marked
         if x.rec is None or (pin and not x.pinned) or (v >= x.value and not x.pinned):
             x.rec, x.loc, x.noise, x.pinned = r, loc, ns, pin
@@ -155,11 +176,14 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         key = RecordKey.parse(m.key)
         c = cell_of(key)
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
-        cells.setdefault(c, _Cell()).one_side.append(f"{m.key} (only in {m.only_in})")
+        x = cells.setdefault(c, _Cell())
+        x.one_side.append(f"{m.key} (only in {m.only_in})")
+        x.reqs.add(key.req)
     for k, ms in marked.items():
-        c = cells.get(cell_of(RecordKey.parse(k)))
-        if c is not None:
-            c.marks.update(ms)
+        key = RecordKey.parse(k)
+        c = cells.get(cell_of(key))
+        for m in ms if c is not None else ():
+            c.marks.setdefault(m, set()).add(key.req)
     return cells, list(kinds), list(outside)
 
 
@@ -191,40 +215,106 @@ def _bucket(v: float) -> str:
     return f"b{sum(lv > b for b in BUCKETS)}"
 
 
-def _n(x: float | None) -> float | str | None:
-    """A number for the JSON blob: 4 significant digits; inf / nan as strings."""
+def _n(x: float | None, digits: int = 4) -> float | str | None:
+    """A number for the JSON blob: 4 significant digits (3 for what is only shown: the detail
+    box shows 3); inf / nan as strings."""
     if x is None:
         return None
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return float(f"{x:.4g}")
+    return float(f"{x:.{digits}g}")
 
 
-def _row(x: _Cell) -> list:
-    """The cell's fields for the blob, in html_assets.FIELDS order."""
+def _stats(r: RecordDiff) -> tuple[list | None, list | int | None]:
+    """Each side's index statistics for the blob (html_assets.STATS order, 3 digits): the
+    counts only as far as one is not zero; the candidate's as 0 where it shows the same."""
+    def one(st: Stats | None) -> list | None:
+        if st is None:
+            return None
+        v = [_n(x, 3) for x in (st.min, st.max, st.mean, st.std, st.absmax, st.l2)]
+        counts = [st.nan, st.inf, st.zero]
+        while counts and not counts[-1]:
+            counts.pop()
+        return v + counts
+    ref, cand = one(r.ref_stats), one(r.cand_stats)
+    return ref, (0 if cand is not None and cand == ref else cand)
+
+
+def _req_colour(x: _Cell, reqs: list[int]) -> str:
+    """One character per request of the page: its colour bucket here ("0".."9", "z": identical),
+    "n": recorded but not compared, "-": no record of it here."""
+    out = []
+    for q in reqs:
+        if q in x.req_value:
+            b = _bucket(x.req_value[q])
+            out.append(b[1:] or b)
+        else:
+            out.append("n" if q in x.reqs else "-")
+    return "".join(out)
+
+
+def _row(x: _Cell, reqs: list[int]) -> list:
+    """The cell's fields for the blob, in html_assets.FIELDS order, without the empty ones at
+    the end (rare fields come last: the page stays small)."""
     marks = [m for m, _, _ in MARKS if m in x.marks]
+    several = len(reqs) > 1
+    per_req = [_n(x.per_request.get(q), 3) for q in reqs] if several else None
+    colour = _req_colour(x, reqs) if several else None
+    n = f"{x.records}" + (f" (+{len(x.one_side)} one side only)" if x.one_side else "")
     if x.rec is None:
         status = "one side only" if x.one_side else "not judged here (MoE routing)"
         key = x.one_side[0] if x.one_side else ""
-        return [key, status] + [None] * 10 + [str(x.records + len(x.one_side)), [], None, marks]
+        return _trim([key, status] + [None] * 6
+                     + [str(x.records + len(x.one_side)), per_req, colour] + [None] * 8
+                     + [marks])
     r, loc, m = x.rec, x.loc, x.rec.metrics
     status = "pass" if r.within else ("shape differs" if r.basis == "shape"
                                       else loc.cause or "over")
     if r.within and not r.within_tolerance:
         status = "pass (golden referee)"
-    n = f"{x.records}" + (f" (+{len(x.one_side)} one side only)" if x.one_side else "")
-    feeds = (loc.input_from[0] + (f" (+{len(loc.input_from) - 1})" if len(loc.input_from) > 1
-                                  else "") + f" [{loc.input_basis}]") if loc.input_from else None
-    reqs = [_n(x.per_request[q]) for q in sorted(x.per_request)] if len(x.per_request) > 1 \
-        else []
+    own = f"r{r.key.req}.s{r.key.step}:"  # the producers' keys share it: left out
+    feeds = ", ".join(k.removeprefix(own) for k in loc.input_from[:1]) + (
+        f" (+{len(loc.input_from) - 1})" if len(loc.input_from) > 1 else "") + \
+        f" [{loc.input_basis}]" if loc.input_from else None
     basis = None if r.basis == "tensor" else BASES.get(r.basis, r.basis)
-    return [str(r.key), status, basis, _n(r.error), _n(m.cosine if m else None),
-            _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), *map(_n, x.noise),
-            _n(loc.input_error), feeds, n, reqs,
-            r.golden.label if r.golden is not None else None, marks]
+    return _trim([str(r.key), status, _n(r.error), _n(m.cosine if m else None),
+                  _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), _n(loc.input_error),
+                  feeds, n, per_req, colour, *_stats(r), basis,
+                  *map(_n, x.noise), _control(r),
+                  r.golden.label if r.golden is not None else None, marks, *_notes(r)])
 
 
-def _td(x: _Cell | None, blob: list) -> str:
+def _control(r: RecordDiff) -> str | None:
+    if not r.control:
+        return None
+    return (f"cand {_g(r.elem_error)}; controls " + ", ".join(_g(c) for c in r.control)
+            + " (mean elementwise relative error)")
+
+
+def _notes(r: RecordDiff) -> list[str | None]:
+    """dtype, shape (where the sides differ), the capture's input links, the tensor-parallel
+    rank, the candidate's key (op alignment), MoE routing: FIELDS' last six."""
+    rank = split_rank(r.key.slot)[1]
+    return [f"ref {r.ref_dtype}, cand {r.cand_dtype}" if r.ref_dtype != r.cand_dtype else None,
+            f"ref {list(r.ref_shape)}, cand {list(r.cand_shape)}"
+            if r.ref_shape != r.cand_shape else None,
+            "; ".join(f"{slot} <- {site}" for slot, site in r.src) or None,
+            None if rank is None else
+            f"tensor-parallel rank {rank}: that rank's copy of the tensor (or its shard, "
+            "compared with its slice of the other side's) against the other side's record",
+            str(r.cand_key) if r.cand_key is not None else None,
+            None if r.routing is None else r.routing + (
+                f" ({r.rows_excluded} token rows routed differently left out)"
+                if r.rows_excluded else "")]
+
+
+def _trim(row: list) -> list:
+    while row and row[-1] in (None, [], ""):
+        row.pop()
+    return row
+
+
+def _td(x: _Cell | None, blob: list, reqs: list[int]) -> str:
     if x is None:
         return '<td class="e"></td>'
     cls = [_bucket(x.value)] if x.judged else ["nc"]
@@ -233,16 +323,18 @@ def _td(x: _Cell | None, blob: list) -> str:
         if m in x.marks:
             cls.append(f"m-{m}")
             sym = sym or s
-    blob.append(_row(x))
-    return f'<td class="{" ".join(cls)}" data-c="{len(blob) - 1}">{sym}</td>'
+    blob.append(_row(x, reqs))
+    qs = " ".join(f"{m}.{q}" for m, _, _ in MARKS for q in sorted(x.marks.get(m, ())))
+    return (f'<td class="{" ".join(cls)}" data-c="{len(blob) - 1}"'
+            + (f' data-q="{qs}"' if qs and len(reqs) > 1 else "") + f">{sym}</td>")
 
 
 def _panel(cells: dict, step: int, layers: list[int], kinds: list[str], outside: list[str],
-           blob: list) -> str:
+           blob: list, reqs: list[int]) -> str:
     """One step's heatmap: the layers' table, then the row of records outside the layers."""
     head = "".join(f"<th>{_e(k)}</th>" for k in kinds)
     rows = "".join(f"<tr><th>{ly}</th>"
-                   + "".join(_td(cells.get((step, ly, k)), blob) for k in kinds) + "</tr>"
+                   + "".join(_td(cells.get((step, ly, k)), blob, reqs) for k in kinds) + "</tr>"
                    for ly in layers)
     out = (f'<section class="panel" data-step="{step}"><h3>step {step}'
            f'{" (prefill)" if step == 0 else " (decode)"}</h3>')
@@ -251,7 +343,7 @@ def _panel(cells: dict, step: int, layers: list[int], kinds: list[str], outside:
                 f"<tbody>{rows}</tbody></table>")
     if outside:
         head = "".join(f"<th>{_e(k)}</th>" for k in outside)
-        tds = "".join(_td(cells.get((step, None, k)), blob) for k in outside)
+        tds = "".join(_td(cells.get((step, None, k)), blob, reqs) for k in outside)
         out += (f'<table class="hm outside"><thead><tr><th></th>{head}</tr></thead>'
                 f"<tbody><tr><th>outside layers</th>{tds}</tr></tbody></table>")
     return out + "</section>"
