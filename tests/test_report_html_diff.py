@@ -361,7 +361,13 @@ HOVER = """(function(){
  var vis=Array.from(document.querySelectorAll('section.panel')).filter(
    function(s){return s.offsetParent!==null;}).map(function(s){return s.dataset.step;});
  var b0=document.querySelector('#steps button[data-step="0"]'); if(b0) b0.click();
- return JSON.stringify({shown:shown, visible:vis,
+ var req={};  // the request switch: the culprit's mark in its own request only, the curves
+ ['1','0','all'].forEach(function(q){
+   var rb=document.querySelector('#reqs button[data-req="'+q+'"]'); if(!rb) return; rb.click();
+   var g=document.querySelector('#curves g[data-req="'+q+'"]');
+   req[q]={cls:td.className, text:td.textContent,
+           curve:g?getComputedStyle(g).display:null};});
+ return JSON.stringify({shown:shown, visible:vis, req:req,
    height:document.documentElement.scrollHeight});})()"""
 
 
@@ -389,6 +395,11 @@ def test_page_opens_in_headless_chromium(planted, clean, tmp_path):
                 assert f"{diffcases.NORM_FAULT}#0:out.0" in got["shown"], got
                 assert "culprit" in got["shown"] and "introduced" in got["shown"]
                 assert "per_request" in got["shown"] and "NaN" not in got["shown"]
+                assert "absmax" in got["shown"] and "refcand" in got["shown"]  # both sides
+                r = got["req"]  # the culprit is request 0's record
+                assert "m-culprit" in r["0"]["cls"] and "m-culprit" not in r["1"]["cls"], r
+                assert r["1"]["text"] == "" and r["all"]["text"] == "\u2716", r
+                assert r["1"]["curve"] == "inline" and r["0"]["curve"] == "inline", r
             assert got["visible"] == ["1"], got  # the step switch shows one panel
             height = min(int(got["height"]), 6000)
             dt.send("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": height,

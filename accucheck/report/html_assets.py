@@ -82,19 +82,22 @@ function tr(k,v){return '<tr><td>'+esc(k)+'</td><td>'+esc(v)+'</td></tr>';}
 function stats(a,b){if(!a&&!b)return '';var n=Math.max(a?a.length:0,b?b.length:0);
  function at(x,i){return x?fmt(i<x.length?x[i]:0):'-';}
  var h='<table class="st"><tr><th></th><th>ref</th><th>cand</th></tr>';
- for(var i=0;i<Math.max(n,6);i++)h+='<tr><td>'+S[i]+'</td><td>'+at(a,i)+'</td><td>'+at(b,i)+'</td></tr>';
+ for(var i=0;i<Math.max(n,6);i++)
+  h+='<tr><td>'+S[i]+'</td><td>'+at(a,i)+'</td><td>'+at(b,i)+'</td></tr>';
  return h+'</table>';}
 function show(td){var c=cells[+td.getAttribute('data-c')];if(!c)return;
  var rows='', qi=RQ.indexOf(sel.req), pr=c[I.per_request];
  if(qi>=0){var v=pr?pr[qi]:(String(c[0]).indexOf('r'+sel.req+'.')===0?c[I.rel_l2]:null);
   rows+=tr('request',sel.req+': '+(v===null||v===undefined?'no record compared here':
    'largest rel_l2 here '+fmt(v)));
-  if(String(c[0]).indexOf('r'+sel.req+'.')!==0)rows+=tr('shown','the worst record over all requests');}
+  if(String(c[0]).indexOf('r'+sel.req+'.')!==0)
+   rows+=tr('shown','the worst record over all requests');}
  for(var i=0;i<F.length;i++){var v=c[i];
   if(HIDE.indexOf(F[i])>=0||v===null||v===undefined||v===''||(Array.isArray(v)&&!v.length))continue;
   if(Array.isArray(v))v=v.map(fmt).join(', ');
   rows+=tr(F[i],T.indexOf(F[i])>=0?String(v):fmt(v));}
- if(pr&&pr.length)rows+=tr('per_request',pr.map(function(x,j){return 'r'+RQ[j]+' '+fmt(x);}).join(', '));
+ if(pr&&pr.length)rows+=tr('per_request',
+  pr.map(function(x,j){return 'r'+RQ[j]+' '+fmt(x);}).join(', '));
  box.innerHTML='<table>'+rows+'</table>'+stats(c[I.ref],c[I.cand]===0?c[I.ref]:c[I.cand])
   +(pinned?'<div>(pinned: click again to release)</div>':'');}
 document.addEventListener('mouseover',function(e){var td=e.target.closest('td[data-c]');
@@ -105,12 +108,14 @@ document.addEventListener('click',function(e){var td=e.target.closest('td[data-c
  pinned=td;td.classList.add('sel');show(td);});
 var tds=document.querySelectorAll('td[data-c]'), orig=null;
 function paint(){var qi=RQ.indexOf(sel.req);
- if(!orig){orig=[];for(var i=0;i<tds.length;i++)orig.push([tds[i].className.replace(/ ?sel/,''),tds[i].textContent]);}
+ if(!orig){orig=[];for(var i=0;i<tds.length;i++)
+  orig.push([tds[i].className.replace(/ ?\\bsel\\b/,''),tds[i].textContent]);}
  for(var i=0;i<tds.length;i++){var td=tds[i], cls=orig[i][0], txt=orig[i][1];
   var b=qi>=0?cells[+td.getAttribute('data-c')][I.req_colour]:null;
   if(b){var ch=b.charAt(qi), mq=(td.getAttribute('data-q')||'').split(' ');
    cls=ch==='z'?'z':ch==='n'?'nc':ch==='-'?'e':'b'+ch;txt='';
-   for(var m=0;m<M.length;m++)if(mq.indexOf(M[m][0]+'.'+sel.req)>=0){cls+=' m-'+M[m][0];txt=txt||M[m][1];}}
+   for(var m=0;m<M.length;m++)if(mq.indexOf(M[m][0]+'.'+sel.req)>=0){
+    cls+=' m-'+M[m][0];txt=txt||M[m][1];}}
   if(td===pinned)cls+=' sel';
   td.className=cls;td.textContent=txt;}}
 var groups=document.querySelectorAll('svg g[data-step],svg g[data-req]');
