@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from accucheck.compare.results import RecordDiff
@@ -211,8 +212,7 @@ def _marks(a: Analysis, cu) -> dict[str, set[str]]:
 def _bucket(v: float) -> str:
     if v <= 0:
         return "z"
-    lv = math.log10(v)
-    return f"b{sum(lv > b for b in BUCKETS)}"
+    return f"b{bisect_left(BUCKETS, math.log10(v))}"  # how many edges lie below it
 
 
 def _n(x: float | None, digits: int = 4) -> float | str | None:
@@ -222,7 +222,10 @@ def _n(x: float | None, digits: int = 4) -> float | str | None:
         return None
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return float(f"{x:.{digits}g}")
+    return float(_DIGITS[digits] % x)
+
+
+_DIGITS = {3: "%.3g", 4: "%.4g"}
 
 
 def _stats(r: RecordDiff) -> tuple[list | None, list | int | None]:
@@ -231,7 +234,8 @@ def _stats(r: RecordDiff) -> tuple[list | None, list | int | None]:
     def one(st: Stats | None) -> list | None:
         if st is None:
             return None
-        v = [_n(x, 3) for x in (st.min, st.max, st.mean, st.std, st.absmax, st.l2)]
+        v = [float("%.3g" % x) if math.isfinite(x) else _n(x)
+             for x in (st.min, st.max, st.mean, st.std, st.absmax, st.l2)]
         counts = [st.nan, st.inf, st.zero]
         while counts and not counts[-1]:
             counts.pop()
