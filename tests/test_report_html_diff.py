@@ -1,8 +1,11 @@
 """`accucheck diff --format html`: the page's verdict is the text report's headline, the planted
 fault's culprit cell is marked and a clean pair marks nothing, cells not compared are hatched,
 nothing is loaded from outside, an 80-layer x 15-kind x 8-step x 4-request diff renders within a
-bounded size, and the page opens in headless Chromium with no console errors (screenshots left
-in /tmp/accucheck-diff-*.png for people to look at).
+bounded size, the detail box holds both sides' statistics, the rank and the capture's input
+links, the request switch colours and marks one request's records and shows its curves, the
+control band is drawn per step, MoE routing agreement is charted per layer (and nothing without
+a router), and the page opens in headless Chromium with no console errors, its request switch
+working (screenshots left in /tmp/accucheck-diff-*.png for people to look at).
 
 DOM checks parse the page with html.parser; the browser test drives Chromium over the DevTools
 pipe (tests/browser.py), marked `browser`, skipped only when no chromium binary is installed.
@@ -127,6 +130,18 @@ def test_planted_fault_cell_is_marked(planted):
     # layers before it passed, cells after it are over tolerance
     assert all(p.cell(x)["status"] == "pass" for x in p.tds("z") + p.tds("b0"))
     assert p.tds("b7")
+
+
+def test_detail_names_the_captures_input_links(planted):
+    a, text = planted
+    p = Page(text)
+    src = {str(r.key): r.src for r in a.diff.records if r.src}
+    shown = [c for c in map(p.cell, [td for t, td in p.tags if "data-c" in td])
+             if c["key"] in src]
+    assert shown
+    for c in shown:  # what the capture stored, the producer's key without "r0.s0:"
+        assert c["links"] == "; ".join(f"in.{slot} <- {site.split(':', 1)[1]}"
+                                       for slot, site in src[c["key"]]), c
 
 
 def test_clean_pair_marks_nothing(clean):

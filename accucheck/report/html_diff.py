@@ -11,6 +11,14 @@ site's threshold. Kinds: the module path below the layer ("self_attn.q_proj"; th
 itself: "block"), " in.S" for recorded inputs (o_proj's input is the attention core's output),
 " out.S" for a second output; records outside the layers (embedding, final norm, logits) get
 their own row. A marked record (culprit, first divergence, SUSPICIOUS) is the one its cell shows.
+
+The request switch recolours the heatmap from one request's records (each cell carries one
+colour character per request, `req_colour`, and its marks' requests, `data-q`) and shows that
+request's curves; the detail box then gives that request's largest rel_l2 in the cell and, in
+full, the cell's worst record over all requests (one record per cell, not per request: the
+80 x 15 x 8 x 4 page stays near 2.8 MB). The detail box holds both sides' index statistics
+(store.Stats, 3 digits), the capture's input links, the tensor-parallel rank, and dtype /
+shape where the sides differ.
 """
 from __future__ import annotations
 
@@ -298,11 +306,11 @@ def _control(r: RecordDiff) -> str | None:
 def _notes(r: RecordDiff) -> list[str | None]:
     """dtype, shape (where the sides differ), the capture's input links, the tensor-parallel
     rank, the candidate's key (op alignment), MoE routing: FIELDS' last six."""
-    rank = split_rank(r.key.slot)[1]
+    rank, own = split_rank(r.key.slot)[1], f"r{r.key.req}.s{r.key.step}:"
     return [f"ref {r.ref_dtype}, cand {r.cand_dtype}" if r.ref_dtype != r.cand_dtype else None,
             f"ref {list(r.ref_shape)}, cand {list(r.cand_shape)}"
             if r.ref_shape != r.cand_shape else None,
-            "; ".join(f"{slot} <- {site}" for slot, site in r.src) or None,
+            "; ".join(f"in.{slot} <- {site.removeprefix(own)}" for slot, site in r.src) or None,
             None if rank is None else
             f"tensor-parallel rank {rank}: that rank's copy of the tensor (or its shard, "
             "compared with its slice of the other side's) against the other side's record",
