@@ -49,7 +49,7 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
     for pair in pairs:
         k, sep, v = pair.partition("=")
         if not sep or not k:
-            raise UserError(f"--engine-arg {pair!r}: use KEY=VALUE (VALUE may be JSON)")
+            raise UserError.usage(f"--engine-arg {pair!r}: use KEY=VALUE (VALUE may be JSON)")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -118,16 +118,11 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
             shadow=None):
     """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
     for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
-    from accucheck.capture.api import CaptureOptions
+    from accucheck.capture.options import CaptureOptions, check_runner
 
     if not out and not list_modules:
         raise UserError.usage("capture needs -o FILE.h5 (or --list-modules to only list the "
                               "modules that would be hooked)")
-    if engine_args and runner != "vllm":
-        raise UserError.usage("--engine-arg is for --runner vllm")
-    if routing_from and runner != "hf":
-        raise UserError.usage("--routing-from is for --runner hf (vLLM's fused MoE router is "
-                              "not replayed by accucheck)")
     opts = CaptureOptions(device=device, dtype=dtype, mode=mode, store=store,
                           max_new_tokens=max_new_tokens, include=tuple(include),
                           exclude=tuple(exclude), record_inputs=record_inputs, seed=seed,
@@ -135,18 +130,20 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           compression=compression, compile_backend=compile_backend, force=force,
                           level=level, shadow=shadow, observer_check=observer_check,
                           routing_from=routing_from, routing_weights=routing_weights)
+    engine = _engine_args(engine_args)
+    check_runner(opts, runner, engine)  # every flag clash, exit 2, before anything is read
     model_dir = _model_dir(model)
     if list_modules:
-        from accucheck.capture.api import list_modules as lm
+        from accucheck.capture.runners.hf import list_modules as lm
         from accucheck.capture.device import parse_device, torch_device
-        from accucheck.capture.hf import load_model_dir, parse_dtype
+        from accucheck.capture.models import load_model_dir, parse_dtype
 
         m, _ = load_model_dir(model_dir, parse_dtype(dtype), torch_device(parse_device(device)),
                               trust_remote_code=trust_remote_code)
         click.echo("\n".join(lm(m, include, exclude)))
         return 0
     if control_for:
-        from accucheck.capture.control import control_run
+        from accucheck.capture.runners.control import control_run
 
         if prompts or prompts_file or tokens_from or shadow or runner != "hf" \
                 or mode != "eager":
@@ -163,11 +160,10 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
     existed = Path(out).exists()
     try:
         if runner == "vllm":
-            from accucheck.capture.api import check_output_path
+            from accucheck.capture.session import check_output_path
             from accucheck.capture.device import parse_device, transfer_note
-            from accucheck.capture.vllm_runner import capture_vllm
+            from accucheck.capture.runners.vllm import capture_vllm
 
-            engine = _engine_args(engine_args)
             if trust_remote_code:
                 engine["trust_remote_code"] = True
             check_output_path(out, force, opts.inputs())
@@ -177,7 +173,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                 err(transfer_note(parse_device(device)))
             path = capture_vllm(model_dir, plist, out, opts, engine)
         else:
-            from accucheck.capture.api import capture_dir
+            from accucheck.capture.runners.hf import capture_dir
 
             path = capture_dir(model_dir, plist, out, opts, trust_remote_code=trust_remote_code,
                                progress=err)
@@ -284,7 +280,7 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     if "auto" in controls:
         if len(controls) > 1:
             raise UserError.usage("--control auto makes the one control run: give it alone")
-        from accucheck.capture.control import auto_control
+        from accucheck.capture.runners.control import auto_control
 
         controls = (str(auto_control(ref, cand, progress=err)),)
     head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
@@ -422,7 +418,7 @@ def matrix(model, runner, prompts, prompts_file, knobs, pairs, invariant, out_di
     plan(knobs, runner, dtype, pairs, names)  # exit 2 before anything else
     if model is None or not out_dir:
         raise UserError.usage("give MODEL and -o DIR (or --list-knobs)")
-    from accucheck.capture.hf import parse_dtype
+    from accucheck.capture.models import parse_dtype
     from accucheck.matrix.main import matrix_main
     from accucheck.prompts import read_prompts
 

@@ -23,7 +23,7 @@ def run_demo(out_dir: Path, *, force: bool, echo: Callable[[str], None],
     1 otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.faults import planted
     from accucheck.capture.tiny import tiny_model_dir
 

@@ -13,6 +13,7 @@ from tabulate import tabulate
 from accucheck.compare.observer import describe, observer_effect
 from accucheck.coverage import coverage_line
 from accucheck.store import CaptureReader, IndexRow
+from accucheck.numbers import number
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
         ("captured", f"{info['time']} by accucheck {info['tool_version']}"),
     ]
     table = [[r.order, str(r.key), r.dtype, "x".join(map(str, r.shape)),
-              _g(r.stats.min), _g(r.stats.max), _g(r.stats.mean), _g(r.stats.std),
-              _g(r.stats.l2), r.stats.nan + r.stats.inf]
+              number(r.stats.min), number(r.stats.max), number(r.stats.mean), number(r.stats.std),
+              number(r.stats.l2), r.stats.nan + r.stats.inf]
              for r in rows]
     shown = f"{len(rows)} of {len(reader.rows)} records"
     return "\n".join([
@@ -116,7 +117,3 @@ def _compiled(info: dict) -> str:
     stats = (f", {cs['unique_graphs']} graph(s), {cs['graph_breaks']} graph break(s)"
              if "graph_breaks" in cs else "")
     return f" (backend {info['compile_backend']}{stats})"
-
-
-def _g(x: float) -> str:
-    return f"{x:.4g}"

@@ -101,7 +101,7 @@ _RANK_RE = re.compile(r"^(?P<slot>.+)\.rank(?P<rank>\d+)$")
 
 
 def rank_slot(slot: str, rank: int) -> str:
-    """The slot of `rank`'s own copy of the tensor at `slot` (accucheck.capture.ranks)."""
+    """The slot of `rank`'s own copy of the tensor at `slot` (accucheck.capture.record.ranks)."""
     return f"{slot}{RANK_SLOT}{rank}"
 
 

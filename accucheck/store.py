@@ -27,11 +27,13 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             the same request and step, the site being its key without
                             "r{req}.s{step}:" ({"hidden_states":
                             "model.layers.0.input_layernorm#0:out.0"}); an input neither linked
-                            nor a weight has its own "in" record (accucheck.capture.recorder).
+                            nor a weight has its own "in" record
+                            (accucheck.capture.record.recorder).
                             Op records (kind "op") also carry
                             {"site": "transformers/.../modeling_llama.py:154 in forward",
                              "args": [...], "kwargs": {...}} where "args"/"kwargs" describe the
-                            op call with tensors as {"t": "<in slot>"} (see accucheck.capture.ops)
+                            op call with tensors as {"t": "<in slot>"}
+                            (see accucheck.capture.record.ops)
     /index/sample           [n, 64] float64 (OPTIONAL, like extra): a fixed sample of the
                             tensor's values at flat (C-order) positions
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
@@ -64,6 +66,7 @@ is wrong; a tensor is checked against its index row (present, same shape) when i
 """
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import json
 import os
@@ -865,6 +868,16 @@ class CaptureReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def meta_header(runner: str) -> dict:
+    """The first keys of every capture's meta, whoever writes it (the HF and vLLM runners, the
+    msprobe importer): the tool and its version, when (UTC, seconds) and which runner."""
+    import accucheck
+
+    return {"tool": "accucheck", "tool_version": accucheck.__version__,
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "runner": runner}
 
 
 def open_capture(path: str | os.PathLike, *, allow_incomplete: bool = False) -> CaptureReader:

@@ -18,7 +18,7 @@ For each sequence length, one prefill forward (no KV cache) of the tiny Llama (4
   own (msprobe patches torch process-wide), on the same model and token ids.
 
 With `--arch qwen3_moe` (the tiny Qwen3-MoE, accucheck.capture.tiny) the routers' three
-outputs keep their values in stats mode, as a capture does (accucheck.capture.moe), and one
+outputs keep their values in stats mode, as a capture does (accucheck.capture.record.moe), and one
 more row measures stats mode without them: what the routing records cost.
 
 Times are medians over `--repeats` forwards, the captured forward alternating with a plain one
@@ -108,9 +108,9 @@ def coarse_modules(model) -> list[str]:
 def bench_accucheck(model, seq: int, repeats: int, tmp: Path) -> dict:
     import torch
 
-    from accucheck.capture.moe import find_routers
-    from accucheck.capture.recorder import Recorder
-    from accucheck.capture.selection import select_modules
+    from accucheck.capture.record.moe import find_routers
+    from accucheck.capture.record.recorder import Recorder
+    from accucheck.capture.record.selection import select_modules
     from accucheck.store import CaptureWriter, open_capture
 
     gates = [r.gate for r in find_routers(model)]
@@ -263,7 +263,7 @@ def main() -> None:
         return
     import torch
 
-    from accucheck.capture.stats import kernel_status
+    from accucheck.capture.record.stats import kernel_status
 
     model = load_model(args.threads, args.arch)
     version = None if args.no_msprobe or args.arch != "llama" else msprobe_version()

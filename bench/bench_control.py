@@ -78,7 +78,7 @@ class Runs:
                 planted: tuple[str, str] | None = None, threads: int = 1,
                 include: tuple[str, ...] = ()) -> Path:
         import torch
-        from accucheck.capture.api import capture_model
+        from accucheck.capture.runners.hf import capture_model
         from accucheck.capture.faults import dithered, planted as plant
 
         path = self.work / f"{self.regime}-{pset}-{name}.h5"

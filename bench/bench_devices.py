@@ -87,7 +87,7 @@ class Runs:
     def capture(self, name: str, prompts: list[str], store: str, *, dtype: str = "bfloat16",
                 device: str | None = None, seed: int = 0, ref: Path | None = None,
                 planted: tuple[str, str] | None = None, include: tuple[str, ...] = ()) -> Path:
-        from accucheck.capture.api import capture_model
+        from accucheck.capture.runners.hf import capture_model
         from accucheck.capture.emulate import emulated
         from accucheck.capture.faults import planted as plant
 

@@ -5,7 +5,7 @@ float32 and bfloat16, prints:
 - plain compiled vs eager: rel L2 of the untapped compiled logits from the eager logits (the
   eager-vs-graph difference a user wants to measure);
 - for each tap set: logits rel L2 of the tapped compiled logits from the untapped ones (the capture's
-  own meta "observer_effect", accucheck.capture.graph), and that as a share of the first row.
+  own meta "observer_effect", accucheck.capture.record.graph), and that as a share of the first row.
 
 Tap sets: the default (kernel boundaries: every Linear's input and output), every default
 module (the eager selection, --include each), the decoder-layer outputs only, the embedding
@@ -36,9 +36,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from accucheck.capture.api import CaptureOptions, capture_dir
-    from accucheck.capture.hf import load_model_dir
-    from accucheck.capture.selection import default_modules
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.hf import capture_dir
+    from accucheck.capture.models import load_model_dir
+    from accucheck.capture.record.selection import default_modules
     from accucheck.capture.tiny import tiny_model_dir
     from accucheck.store import open_capture
 

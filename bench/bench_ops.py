@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from accucheck.capture.ops import OpRecorder
-from accucheck.capture.selection import select_modules
-from accucheck.capture.shadow import ShadowSource
+from accucheck.capture.record.ops import OpRecorder
+from accucheck.capture.record.selection import select_modules
+from accucheck.capture.record.shadow import ShadowSource
 from accucheck.capture.tiny import tiny_model_dir
 from accucheck.store import CaptureWriter
 from bench_capture import median_time  # same folder: run as python bench/bench_ops.py

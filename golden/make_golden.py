@@ -35,7 +35,7 @@ SEED = 0
 
 
 def capture_options(store: str, max_new_tokens: int, *, force: bool = False, **kw):
-    from accucheck.capture.api import CaptureOptions
+    from accucheck.capture.options import CaptureOptions
 
     return CaptureOptions(device="cpu", dtype="float32", mode="eager", store=store,
                           compression="gzip", max_new_tokens=max_new_tokens, seed=SEED,
@@ -54,7 +54,7 @@ def load_tiny():
 
 def capture(model, tok, name: str, out: Path, *, force: bool = True) -> Path:
     """Capture golden `name` (its prompts / store / steps) into `out`."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     prompts, store, steps = GOLDEN[name]
     return capture_model(model, list(prompts), out, tokenizer=tok,
@@ -71,7 +71,7 @@ def check_margins(model, tok, name: str) -> float:
     prompts, _, steps = GOLDEN[name]
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "full.h5"
-        from accucheck.capture.api import capture_model
+        from accucheck.capture.runners.hf import capture_model
 
         capture_model(model, list(prompts), p, tokenizer=tok,
                       opts=capture_options("full", steps))

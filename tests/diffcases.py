@@ -86,7 +86,7 @@ def make(kind: str, model, tok, path: Path, ref: Path | None = None, *, store: s
          record_inputs: bool = False, steps: int = STEPS) -> Path:
     from contextlib import nullcontext
 
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.faults import dithered, planted
 
     kw = dict(tokenizer=tok, store=store, max_new_tokens=steps, record_inputs=record_inputs,

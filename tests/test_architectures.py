@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import planted
-from accucheck.capture.selection import default_modules
+from accucheck.capture.record.selection import default_modules
 from accucheck.verdict.locate import analyze
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

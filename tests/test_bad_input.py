@@ -78,8 +78,8 @@ def env() -> dict:
 def caps(tiny, tmp_path_factory):
     """Small captures of the tiny model: full with inputs, stats only, and one of another
     model (1 layer instead of 4)."""
-    from accucheck.capture.api import capture_dir, capture_model
-    from accucheck.capture.api import CaptureOptions
+    from accucheck.capture.runners.hf import capture_dir, capture_model
+    from accucheck.capture.options import CaptureOptions
     from accucheck.capture.tiny import write_tiny_model
 
     d = tmp_path_factory.mktemp("caps")
@@ -175,7 +175,7 @@ def test_pickle_weights_are_never_loaded(tiny_dir, tmp_path, monkeypatch):
 
     import torch
 
-    import accucheck.capture.hf as hf
+    import accucheck.capture.models as hf
     from accucheck.errors import UserError
 
     class Payload:
@@ -247,6 +247,15 @@ def test_force_replaces_an_existing_capture_only_when_complete(tiny_dir, work, c
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--compile-backend", "inductor"], "--compile-backend is for --mode graph"),
     (["--engine-arg", "a=1"], "--engine-arg is for --runner vllm"),
+    (["--engine-arg", "a"], "use KEY=VALUE"),
+    # the vLLM runner's clashes, refused before vLLM is imported (capture.options.check_runner)
+    (["--runner", "vllm", "--level", "op"], "--level op and --shadow are not available"),
+    (["--runner", "vllm", "--dtype", "float64"], "vLLM does not run float64"),
+    (["--runner", "vllm", "--mode", "graph", "--compile-backend", "inductor"],
+     "--compile-backend is for --runner hf"),
+    (["--runner", "vllm", "--engine-arg", "enforce_eager=false"], "contradicts --mode eager"),
+    (["--runner", "vllm", "--engine-arg", "enable_prefix_caching=true"],
+     "cannot be used for a capture"),
     (["--store", "everything"], "Invalid value for '--store'"),
     (["--no-such-flag"], "No such option"),
     (["-o", "."], "is a directory"),  # click's own check of a path argument
@@ -439,7 +448,7 @@ def test_diff_of_different_models_is_refused(work, capsys):
 
 @pytest.fixture(scope="module")
 def op_capture_without_inputs(tiny, tmp_path_factory):
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     model, tok = tiny
     path = tmp_path_factory.mktemp("ops") / "ops.h5"
@@ -634,7 +643,7 @@ def test_disk_full_is_one_line_exit_3_and_an_incomplete_file(tiny_dir, work):
 
 def test_capture_passes_no_deprecated_argument(tiny, tmp_path):
     """No FutureWarning / DeprecationWarning from transformers during prefill + decode."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     model, tok = tiny
     with warnings.catch_warnings():
@@ -649,7 +658,7 @@ def test_cache_argument_follows_a_renamed_parameter(tiny):
     import torch
     from transformers.utils.deprecation import deprecate_kwarg
 
-    from accucheck.capture.hf import cache_argument, greedy_run
+    from accucheck.capture.models import cache_argument, greedy_run
 
     model, _ = tiny
     # the name this transformers takes (past_key_values up to 5.23, cache from 5.24)

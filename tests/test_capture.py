@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
-from accucheck.capture.recorder import Recorder
-from accucheck.capture.selection import select_modules
+import accucheck
+from accucheck.capture.options import CaptureOptions
+from accucheck.capture.runners.hf import capture_dir, capture_model
+from accucheck.capture.record.recorder import Recorder
+from accucheck.capture.record.selection import select_modules
 from accucheck.capture.tiny import write_tiny_model
 from accucheck.errors import UserError
 from accucheck.store import CaptureWriter, open_capture
@@ -80,6 +82,8 @@ def test_canonical_record_keys(tiny, tmp_path):
         assert r.row("r0.s1:model.layers.3#0:out.0").shape == (1, 1, 256)
         assert len(r.requests[0].generated_ids) == 2
         assert r.meta["runner"] == "hf" and r.meta["mode"] == "eager"
+        assert (r.meta["tool"], r.meta["tool_version"]) == ("accucheck", accucheck.__version__)
+        assert r.meta["time"].endswith("+00:00")  # store.meta_header: UTC
         assert r.meta["environment"]["packages"]["torch"].startswith("2.")
 
 
@@ -432,7 +436,7 @@ def test_minilm_from_package_captures_offline(tmp_path):
 
 @pytest.mark.slow
 def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
-    """The default graph taps (kernel boundaries, accucheck.capture.graph) and a module
+    """The default graph taps (kernel boundaries, accucheck.capture.record.graph) and a module
     selection (--include) are both traced into the graph and record what eager records."""
     opts = dict(max_new_tokens=2, store="full")
     capture_dir(tiny_dir, PROMPTS[:1], tmp_path / "e.h5", CaptureOptions(**opts))
@@ -466,9 +470,9 @@ def test_graph_mode_fires_every_hook_and_matches_eager(tiny_dir, tmp_path):
 
 
 def test_progress_lines_for_long_captures(tiny, tmp_path, monkeypatch):
-    from accucheck.capture import api
+    from accucheck.capture.session import Ticker
 
-    monkeypatch.setattr(api._Ticker, "every", 0.0)  # a line at every step instead of every 2 s
+    monkeypatch.setattr(Ticker, "every", 0.0)  # a line at every step instead of every 2 s
     model, tok = tiny
     lines: list[str] = []
     capture_model(model, PROMPTS, tmp_path / "a.h5", tokenizer=tok, max_new_tokens=2,

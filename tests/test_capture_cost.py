@@ -1,5 +1,5 @@
-"""Capture cost: the statistics engine (accucheck.capture.stats) gives tensor_stats' numbers in
-few kernels, counted here so that it cannot regress silently; one tensor recorded twice is
+"""Capture cost: the statistics engine (accucheck.capture.record.stats) gives tensor_stats' numbers
+in few kernels, counted here so that it cannot regress silently; one tensor recorded twice is
 reduced (and stored) once; in-place changes after a hook do not reach the statistics."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import accucheck.capture.stats as stats_mod
-from accucheck.capture.recorder import Recorder
-from accucheck.capture.stats import tensor_stats, to_host
-from accucheck.capture.selection import select_modules
-from accucheck.capture.stats import RAW_SIZE, StepStats, kernel_status
+import accucheck.capture.record.stats as stats_mod
+from accucheck.capture.record.recorder import Recorder
+from accucheck.capture.record.stats import tensor_stats, to_host
+from accucheck.capture.record.selection import select_modules
+from accucheck.capture.record.stats import RAW_SIZE, StepStats, kernel_status
 from accucheck.store import CaptureWriter, open_capture
 
 KERNELS = ["c", "torch"] if kernel_status()["cpu"] == "c" else ["torch"]
@@ -264,7 +264,7 @@ def test_op_inputs_store_each_weight_once(tiny, tmp_path):
     """--level op --inputs: a weight is an op input at every call (mm's transposed weight, the
     embedding table, norm weights); its records name it and share one dataset, so the file is
     the activations plus one copy of the touched weights (plus the index)."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     model, tok = tiny
     path = tmp_path / "op.h5"

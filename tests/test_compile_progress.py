@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from accucheck.capture import api
-from accucheck.capture.api import capture_model
-from accucheck.capture.compiling import CompileProgress
+from accucheck.capture.session import Ticker
+from accucheck.capture.runners.hf import capture_model
+from accucheck.capture.record.compiling import CompileProgress
 from accucheck.store import open_capture
 
 
@@ -62,7 +62,7 @@ def test_graph_capture_says_it_is_compiling(tiny, tmp_path, monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(CompileProgress, "every", 0.05)
-    monkeypatch.setattr(api._Ticker, "every", 1e9)  # only the compile lines
+    monkeypatch.setattr(Ticker, "every", 1e9)  # only the compile lines
     model, tok = tiny
     lines: list[str] = []
     torch._dynamo.reset()

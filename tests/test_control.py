@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import dithered, planted
 from accucheck.compare.tolerances import CONTROL_Z
 from accucheck.report.diff import render, to_json, verdict_line

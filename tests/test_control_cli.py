@@ -26,7 +26,7 @@ def files(tiny, tiny_dir, tmp_path_factory):
     candidate and one with a fault, teacher-forced. The candidates round as the control does
     (plain bf16): a candidate that rounds otherwise needs a control that does too (the dithered
     runs of tests/test_control.py); here the clean one may even be bitwise the control."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.faults import planted
 
     d = tmp_path_factory.mktemp("ctlcli")
@@ -39,7 +39,7 @@ def files(tiny, tiny_dir, tmp_path_factory):
               "bfloat16", "-o", str(d / "ctl.h5")])
     assert e.value.code == 0
     import torch
-    from accucheck.capture.hf import load_model_dir
+    from accucheck.capture.models import load_model_dir
 
     # loaded as the CLI loads it (from_pretrained in bfloat16 keeps the rotary inv_freq in
     # float32; .to(bfloat16) of a float32 model would round it: a real precision difference
@@ -117,7 +117,7 @@ def test_rotary_tables_rounded_to_bf16_are_named_at_rotary_emb(files, tiny, caps
     """A candidate made by `.to(bfloat16)` of a float32 model rounds the rotary inv_freq
     buffer to bf16 (from_pretrained in bfloat16 keeps it float32, as the control did): every
     rotary table is about twice as wrong. Within the bf16 tolerance; the control names it."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     model, tok = tiny
     capture_model(model, PROMPTS, files / "cast.h5", tokenizer=tok, store="full",

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.emulate import DEVICES, emulated
 from accucheck.capture.faults import planted
 from accucheck.report.diff import verdict_line

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.emulate import DEVICES, emulated
 from accucheck.errors import UserError
 from accucheck.verdict.locate import analyze

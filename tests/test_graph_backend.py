@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from accucheck.capture.compiling import backend_for
+from accucheck.capture.record.compiling import backend_for
 from accucheck.capture.device import DeviceSpec, parse_device
 from accucheck.errors import UserError
 

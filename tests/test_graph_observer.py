@@ -1,4 +1,4 @@
-"""Graph mode's observer effect (accucheck.capture.graph, accucheck.compare.observer): the
+"""Graph mode's observer effect (accucheck.capture.record.graph, accucheck.compare.observer): the
 default kernel-boundary taps leave the compiled bfloat16 model's logits bitwise unchanged, a
 module selection's taps do not and the capture says by how much, the file's logits are the
 untapped run's, and `diff` eager vs graph names where graph mode starts to compute otherwise.
@@ -15,9 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
-from accucheck.capture.graph import ObserverCheck, Tap, boundary_taps, logits_effect
-from accucheck.capture.selection import default_modules
+from accucheck.capture.options import CaptureOptions
+
+from accucheck.capture.runners.hf import capture_dir, capture_model
+from accucheck.capture.record.graph import ObserverCheck, Tap, boundary_taps, logits_effect
+from accucheck.capture.record.selection import default_modules
 from accucheck.cli import cli
 from accucheck.compare.observer import (OBSERVER_NOTE_FRACTION, describe, observer_effect,
                                         observer_notes)
@@ -60,7 +62,7 @@ def test_boundary_taps_name_each_linear_input_after_its_producer(tiny):
 def test_boundary_taps_keys_are_keys_of_an_eager_capture(tiny, tmp_path):
     """What a graph capture records under a name is what an eager capture records under it:
     the taps' records, taken in eager mode, equal the eager capture's records bitwise."""
-    from accucheck.capture.recorder import Recorder
+    from accucheck.capture.record.recorder import Recorder
     from accucheck.store import CaptureWriter
 
     model, tok = tiny
@@ -227,7 +229,7 @@ def test_diff_eager_vs_graph_names_where_graph_mode_starts_and_states_the_effect
 
 
 def test_cli_observer_check_flag_reaches_the_capture(monkeypatch, tmp_path):
-    import accucheck.capture.api as api
+    import accucheck.capture.runners.hf as api
 
     seen = []
 

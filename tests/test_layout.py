@@ -2,8 +2,8 @@
 (nothing is imported), every import statement counted: module level, inside functions, under
 `if TYPE_CHECKING:`, and `importlib.import_module("name")` / `__import__("name")` with a literal.
 
-Stages, bottom to top: bottom (store, keys, errors, prompts, paths, coverage, the package
-itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
+Stages, bottom to top: bottom (store, keys, errors, numbers, prompts, paths, coverage, the
+package itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
 __main__). capture and importers are a side branch over the bottom: capture imports the bottom
 only, importers the bottom and capture; matrix and signoff may use capture (to run engines and
 capture runs), the top layer anything.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "accucheck"
 
 BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
-          "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
+          "accucheck.numbers", "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.inspect", "accucheck.replay",
        "accucheck.__main__"}
 PACKAGES = ("capture", "importers", "compare", "verdict", "report", "matrix", "signoff")
@@ -184,3 +184,35 @@ def test_no_import_cycle():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# Inside capture (issue 35): record/ is what a hook does with a tensor (recorder, ops, shadow,
+# links, selection, statistics, graph taps, compile progress, MoE routing, rank copies); the
+# runners (HF, vLLM, batched rows, control) drive a model and feed a capture file. What records
+# never depends on who runs the model.
+CAPTURE_INNER = {"record": {"runners", "session"}, "session": {"runners"},
+                 "options": {"runners", "session"}}
+
+
+def capture_part(mod: str) -> str | None:
+    """The part of capture a module is in: record, runners, session, ... (None: outside)."""
+    parts = mod.split(".")
+    return parts[2] if len(parts) >= 3 and parts[:2] == ["accucheck", "capture"] else None
+
+
+def test_record_never_imports_the_runners():
+    bad = []
+    for m in MODULES:
+        forbidden = CAPTURE_INNER.get(capture_part(m) or "", set())
+        for name, line in imports(m):
+            t = internal(name) if name.startswith("accucheck") else None
+            if t is not None and capture_part(t) in forbidden:
+                bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: {m} imports {t}")
+    assert bad == []
+
+
+def test_the_capture_rule_sees_a_runner_import():
+    assert capture_part("accucheck.capture.runners.hf") == "runners"
+    assert capture_part("accucheck.capture.record.stats") == "record"
+    assert capture_part("accucheck.capture.session") == "session"
+    assert capture_part("accucheck.store") is None

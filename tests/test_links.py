@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.keys import RecordKey
 from accucheck.store import open_capture
 
@@ -244,8 +244,8 @@ def test_freed_storage_reused_in_place_changed_and_weights_do_not_link(tmp_path)
 def test_graph_mode_stores_no_links_and_no_extra_inputs(tiny, tmp_path):
     """Hooks registered for graph mode behave as before (no identity inside compiled code):
     checked here without compiling, the recorder in its graph configuration."""
-    from accucheck.capture.recorder import Recorder
-    from accucheck.capture.selection import select_modules
+    from accucheck.capture.record.recorder import Recorder
+    from accucheck.capture.record.selection import select_modules
     from accucheck.store import CaptureWriter
 
     model, _ = tiny
@@ -300,7 +300,7 @@ class Reuse(nn.Module):
 
 @pytest.mark.parametrize("wrap", [True, False])
 def test_repeated_calls_and_positional_arguments_link(tmp_path, wrap):
-    from accucheck.capture.recorder import Recorder
+    from accucheck.capture.record.recorder import Recorder
     from accucheck.store import CaptureWriter
 
     torch.manual_seed(0)

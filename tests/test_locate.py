@@ -86,7 +86,7 @@ def test_recorded_inputs_are_preferred(tiny, tmp_path):
 
 
 def test_stats_only_capture_finds_a_scale_fault_weaker(tiny, tmp_path):
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.faults import planted
 
     model, tok = tiny

@@ -1,12 +1,12 @@
 """vLLM's fused records shown as transformers' (accucheck.compare.mapping) on hand-made captures:
 the exact slices of q / k / v and gate / up, tensor-parallel shards cut then joined, renames,
 what is left alone; and the weight tables of tensor-parallel ranks joined
-(accucheck.capture.ranks.merge_weight_tables). The vLLM end to end is tests/test_vllm*.py."""
+(accucheck.capture.record.ranks.merge_weight_tables). The vLLM end to end is tests/test_vllm*.py."""
 from __future__ import annotations
 
 import numpy as np
 
-from accucheck.capture.ranks import merge_weight_tables
+from accucheck.capture.record.ranks import merge_weight_tables
 from accucheck.compare.diff import diff_captures
 from accucheck.compare.mapping import MappedCapture, maybe_mapped
 from accucheck.store import open_capture

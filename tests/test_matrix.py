@@ -209,7 +209,7 @@ def test_an_unknown_engine_argument_is_refused_before_any_engine(tiny_dir, tmp_p
 def test_a_worker_that_dies_or_refuses_is_said_in_one_line(tmp_path):
     from dataclasses import asdict
 
-    from accucheck.capture.api import CaptureOptions
+    from accucheck.capture.options import CaptureOptions
     from accucheck.matrix.engines import run_worker
 
     doc, arrays = run_worker({"kind": "runs"}, {})      # a job it cannot run: no result

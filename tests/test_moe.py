@@ -1,6 +1,6 @@
 """Mixture of experts on the built-in tiny Qwen3-MoE (4 layers, 8 experts, top-2): routing
 records, routing agreement, the first routing flip and its label, routing replay and
-expert-level blame (accucheck.capture.moe, accucheck.compare.routing). The flips and their
+expert-level blame (accucheck.capture.record.moe, accucheck.compare.routing). The flips and their
 margins are re-derived here from the files with numpy, not read back from the tool."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
 from accucheck.compare.routing import AFTER_FLIP, IDS, NEAR_TIE_SIGMAS, REORDERED
@@ -242,7 +242,7 @@ def test_other_moe_architectures_are_recorded_and_replayed(arch, tmp_path):
     found, routing recorded, and a replay of a noisy router gives the reference's ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from accucheck.capture.moe import find_routers
+    from accucheck.capture.record.moe import find_routers
     from accucheck.capture.tiny import write_tiny_model
 
     d = write_tiny_model(tmp_path / "m", seed=1, arch=arch)

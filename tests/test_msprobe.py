@@ -178,6 +178,7 @@ def test_names_roles_slots_op_index_and_order(tmp_path):
     assert skipped["head inputs"] == 1
     with open_capture(tmp_path / "run.h5") as r:
         assert r.meta["runner"] == "msprobe-import" and r.meta["dtype"] == "float32"
+        assert r.meta["tool"] == "accucheck" and r.meta["time"].endswith("+00:00")
         assert r.meta["store"] == "stats"
         m = r.meta["msprobe"]
         assert m["task"] == "statistics" and m["level"] == "mix" and m["records"] == res.records

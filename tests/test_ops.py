@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
+from accucheck.capture.options import CaptureOptions
+
+from accucheck.capture.runners.hf import capture_dir, capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
 from accucheck.verdict.locate import analyze

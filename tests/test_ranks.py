@@ -1,4 +1,4 @@
-"""Tensor-parallel record merging (accucheck.capture.ranks) and the coverage verdict
+"""Tensor-parallel record merging (accucheck.capture.record.ranks) and the coverage verdict
 (accucheck.coverage) on hand-made records: no vLLM, fast."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from accucheck.coverage import coverage, coverage_line, sites_of
-from accucheck.capture.ranks import merge_ranks, rank_slot, shard_layout
+from accucheck.capture.record.ranks import merge_ranks, rank_slot, shard_layout
 from accucheck.store import open_capture
 
 
@@ -340,7 +340,7 @@ def test_a_differing_rank_copy_is_compared_under_its_own_key(tmp_path):
 
 
 def test_disagreement_sizes_at_the_edges():
-    from accucheck.capture.ranks import _rel_l2
+    from accucheck.capture.record.ranks import _rel_l2
 
     z, nz = rec("o", 0, [0.0, 0.0]), rec("o", 1, [-0.0, 0.0])
     assert z.checksum != nz.checksum  # -0.0 and 0.0 differ in their bits ...

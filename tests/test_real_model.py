@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import planted
 from accucheck.verdict.locate import analyze, peer_kind
 from accucheck.report.diff import render, to_json, verdict_line

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import planted
 from accucheck.cli import main
 from accucheck.errors import UserError

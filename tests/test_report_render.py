@@ -1,5 +1,5 @@
 """report.diff probed where a plausible wrong rendering gives another text (issue 16: tests that
-can fail): the number formats, every form of the verdict line, the JSON / csv fields, the text
+can fail): every form of the verdict line, the JSON / csv fields, the text
 report's sections and row choice, the layer curve's thinning and the logits table. Analyses are
 built record by record (test_verdict_mutants.D, no files, no model); each assertion is on the
 exact text or value. Milliseconds per test."""
@@ -18,7 +18,7 @@ from accucheck.compare.results import (GoldenLabel, LogitsPosition, LogitsStep, 
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.opmatch import OneSided, OpAlignment, OpMatch
 from accucheck.keys import RecordKey
-from accucheck.report.diff import (CSV_COLUMNS, _cos, _curve_table, _g, _logits_table, render,
+from accucheck.report.diff import (CSV_COLUMNS, _curve_table, _logits_table, render,
                                    to_csv, to_json, to_text, verdict_line)
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import LayerPoint, Suspicious
@@ -54,25 +54,6 @@ def _stats(bound: float, nan_inf: int = 0) -> StatsDelta:
 def _flip(near_tie: bool | None, *, req=0, step=1, position=5, generating=True) -> TokenFlip:
     m, n = {True: (0.1, 0.2), False: (2.0, 0.5), None: (None, None)}[near_tie]
     return TokenFlip(req, step, position, 11, 12, m, n, generating, "logits")
-
-
-# ----------------------------------------------------------------------------- numbers
-
-@pytest.mark.parametrize("x, want", [
-    (None, "-"), (math.inf, "inf"), (-math.inf, "-inf"), (0.0, "0"), (0, "0"), (3, "3"),
-    (1.0, "1"), (-0.5, "-0.5"), (0.001, "0.001"), (0.0015, "0.0015"), (0.000999, "9.99e-04"),
-    (0.0007, "7.00e-04"), (-0.0007, "-7.00e-04"), (9990.0, "9.99e+03"), (6000.0, "6e+03"),
-    (10000.0, "1.00e+04"), (15000.0, "1.50e+04"), (1.23456, "1.23"), (2e-300, "2.00e-300")])
-def test_g_three_significant_digits_scientific_outside_1e_3_to_1e4(x, want):
-    assert _g(x) == want
-
-
-@pytest.mark.parametrize("x, want", [
-    (None, "-"), (1.0, "1"), (0.99995, "1-5.0e-05"), (0.99999, "1-1.0e-05"),
-    (0.9999, "0.999900"), (0.995, "0.995000"), (0.99, "0.99"), (0.5, "0.5"),
-    (-0.25, "-0.25"), (0.123456, "0.1235")])
-def test_cos_shows_the_distance_from_one_near_one(x, want):
-    assert _cos(x) == want
 
 
 # ----------------------------------------------------------------------------- verdict line
@@ -531,7 +512,7 @@ def test_logits_table_per_step_first_eight_steps():
 
 
 def test_tables_keep_the_report_number_format():
-    """The cells are written as _g formats them (tabulate must not re-parse "7.00e-04")."""
+    """The cells are written as accucheck.numbers formats them (tabulate must not re-parse "7.00e-04")."""
     lines = to_text(D().add(E0, 7e-4).analysis()).splitlines()
     assert [ln.split() for ln in lines if ln.startswith("r0.")] == [
         ["r0.s0:e#0:out.0", "ok", "7.00e-04", "-", "7.00e-04", "1", "7.00e-04", "-", "0.01"]]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from accucheck.capture.api import capture_model
+from accucheck.capture.runners.hf import capture_model
 from accucheck.capture.faults import planted
 from accucheck.errors import UserError
 from accucheck.keys import layer_of

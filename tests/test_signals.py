@@ -23,7 +23,7 @@ from accucheck.cli import main
 REPO = str(Path(accucheck.__file__).resolve().parent.parent)
 
 # Runs `accucheck capture` (cli.main, as `python -m accucheck` does) once per case in one
-# process. accucheck.capture.api.greedy_run is wrapped so that at step AT the signal is sent:
+# process. accucheck.capture.runners.hf.greedy_run is wrapped so that at step AT the signal is sent:
 #   boundary  - just before the step starts
 #   finalizer - from inside a weakref finalizer, so the handler runs inside it (where an
 #               exception raised by a handler is dropped with "Exception ignored")
@@ -41,7 +41,7 @@ DRIVER = textwrap.dedent('''
     before = signal.getsignal(sig)
     model, work = sys.argv[2], Path(sys.argv[3])
     cases = json.loads(sys.argv[4])
-    import accucheck.capture.api as api
+    import accucheck.capture.runners.hf as api
     from accucheck.cli import main
 
     AT = 2
@@ -190,7 +190,7 @@ def dispositions():
 
 
 def test_the_handler_only_records_and_a_second_signal_raises_at_once(dispositions):
-    from accucheck.capture.api import interruptible
+    from accucheck.capture.session import interruptible
 
     dispositions(SIGINT=signal.default_int_handler, SIGTERM=signal.SIG_DFL)
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
@@ -212,7 +212,7 @@ def test_an_inherited_ignored_sigint_stays_ignored_and_is_restored(dispositions)
     """A background job inherits SIGINT ignored: the capture must not start listening to it,
     and leaves it ignored. SIGTERM, set to a handler of the caller's, is recorded and then
     restored to that very handler."""
-    from accucheck.capture.api import interruptible
+    from accucheck.capture.session import interruptible
 
     seen = []
 

@@ -132,7 +132,7 @@ def test_threshold_check_details():
         0.995, 0.99, ">=")
     assert (c["top1_agreement"].op, c["logits_kl"].op) == (">=", "<=")
     low = _checks(a, thr, min_layer_cosine=0.98)["layer_cosine"]
-    assert (low.passed, low.detail) == (False, "min layer cosine 0.980000 < 0.99")
+    assert (low.passed, low.detail) == (False, "min layer cosine 0.98 < 0.99")
     none = _checks(a, thr)
     assert [none[n].detail for n in ("layer_rel_l2", "layer_cosine", "logits_kl",
                                      "top1_agreement", "token_agreement")] == [

@@ -232,7 +232,7 @@ def test_an_old_dangling_link_is_replaced_not_followed(tmp_path, monkeypatch):
 
 
 def test_capture_run_without_a_progress_callback(tmp_path, monkeypatch):
-    import accucheck.capture.api as api
+    import accucheck.capture.runners.hf as api
 
     seen = []
     monkeypatch.setattr(api, "capture_dir", lambda model_dir, prompts, out, opts, **kw:

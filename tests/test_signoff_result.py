@@ -1,16 +1,15 @@
 """report.signoff_result probed where a plausible wrong rule gives another answer (issue 16:
 tests that can fail): pass / fail from the checks, the failed checks, planted faults, the
-verdict sentence (PASS and each FAIL form, exact text) and fmt_number at its boundaries.
+verdict sentence (PASS and each FAIL form, exact text).
 Results are built record by record (test_verdict_mutants.D, no files, no model): milliseconds."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
 from accucheck.report.signoff_result import (Check, EnvRow, Metrics, Regression,
-                                             RegressionItem, SignoffResult, fmt_number)
+                                             RegressionItem, SignoffResult)
 from accucheck.signoff.scenario import RunSpec, Scenario
 from test_verdict_mutants import D
 
@@ -138,17 +137,6 @@ def test_small_records():
         name = dataclasses.fields(x)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(x, name, None)
-
-
-@pytest.mark.parametrize("x, want", [
-    (None, "-"), (0, "0"), (7, "7"), (123456, "123456"), (math.inf, "inf"), (-math.inf, "-inf"),
-    (math.nan, "nan"), (0.0, "0"), (-0.0, "0"), (1.0, "1"), (0.5, "0.5"), (-0.5, "-0.5"),
-    (0.001, "0.001"), (0.0015, "0.0015"), (0.000999, "9.99e-04"), (0.0007, "7.00e-04"),
-    (-0.0007, "-7.00e-04"), (1.23456, "1.23"), (6000.0, "6e+03"), (9990.0, "9.99e+03"),
-    (10000.0, "1.00e+04"), (15000.0, "1.50e+04"), (-15000.0, "-1.50e+04"),
-    (1.2345e-5, "1.23e-05")])
-def test_fmt_number_three_significant_digits_scientific_outside_1e_3_to_1e4(x, want):
-    assert fmt_number(x) == want
 
 
 def test_a_diffuse_fail_with_a_suspicious_record_upstream_says_so():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from accucheck.capture.recorder import finish_stats
-from accucheck.capture.stats import tensor_stats, to_host
+from accucheck.capture.record.recorder import finish_stats
+from accucheck.capture.record.stats import tensor_stats, to_host
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
 from accucheck.store import SCHEMA_VERSION, CaptureWriter, open_capture

@@ -109,7 +109,7 @@ def test_fused_against_decomposed_norm_at_op_level_is_no_culprit(tiny, tmp_path)
     norm's output is bitwise identical. Op alignment pairs ops that compute different things
     (add.Tensor against add_.Scalar: 1.6e-4 > 5e-5): the old verdict named that add as the
     culprit op. The module computes the same: PASS, no culprit, a note."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.verdict.locate import analyze
     from diffcases import PROMPTS, fused_rms_norm
 
@@ -134,7 +134,7 @@ def test_fused_against_decomposed_norm_at_op_level_is_no_culprit(tiny, tmp_path)
 def test_fp16_softmax_inside_fp32_attention_at_module_level_names_self_attn(tiny, tmp_path):
     """The default module level records no op inside the attention core: the old verdict was
     diffuse, no culprit. The core's output (o_proj in.0) is made by self_attn's own code."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
     from accucheck.verdict.locate import analyze
     from diffcases import PROMPTS, fp16_softmax
 

@@ -42,7 +42,7 @@ def test_a_capture_prints_no_deprecation_warning(tiny, tmp_path):
     `cache`: the capture uses whichever this version calls current. transformers logs to a
     handler of its own (not propagated), bound to the stderr of the moment it was imported:
     the test listens on its logger directly."""
-    from accucheck.capture.api import capture_model
+    from accucheck.capture.runners.hf import capture_model
 
     model, tok = tiny
     once = getattr(transformers.utils.logging, "warning_once", None)

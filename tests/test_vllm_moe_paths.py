@@ -58,7 +58,7 @@ def test_a_monolithic_kernel_records_the_logits_and_says_why_not_the_ids():
     """forward_monolithic routes inside the kernel: the gate's logits are recorded once, the
     weights / ids slots are named in `skipped` with the reason, and the front end's routing
     check accepts that (it is said, not silent). Before: nothing said why."""
-    from accucheck.capture.vllm_moe import routing_gap
+    from accucheck.capture.runners.vllm_moe import routing_gap
 
     out, recs = _run("monolithic")
     for gate in GATES:
@@ -69,7 +69,7 @@ def test_a_monolithic_kernel_records_the_logits_and_says_why_not_the_ids():
 
 
 def test_routing_gap_names_a_router_without_ids():
-    from accucheck.capture.vllm_moe import routing_gap
+    from accucheck.capture.runners.vllm_moe import routing_gap
 
     sites = {f"{GATES[0]}#0:out.0", f"{GATES[0]}#0:out.2", f"{GATES[1]}#0:out.0"}
     line = routing_gap(list(GATES), sites, {})
@@ -89,8 +89,8 @@ def test_a_moe_capture_without_routing_records_is_refused(fake_engine, tiny_dir,
     """A MoE model whose routing goes where no tap is: one line, exit 3, the file left
     incomplete, as the coverage verdict does. Before: coverage passed (it expects only what
     was recorded once) and the capture was complete without any routing."""
-    from accucheck.capture.api import CaptureOptions
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.vllm import capture_vllm
     from accucheck.errors import UserError
 
     out = tmp_path / "x.h5"
@@ -107,8 +107,8 @@ def test_a_moe_capture_without_routing_records_is_refused(fake_engine, tiny_dir,
 
 def test_the_fake_engine_capture_with_routing_completes(fake_engine, tiny_dir, tmp_path):
     """The same capture through vLLM's own path (gate module, select_experts) completes."""
-    from accucheck.capture.api import CaptureOptions
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.vllm import capture_vllm
     from accucheck.store import open_capture
 
     out = capture_vllm(tiny_dir, PROMPTS, tmp_path / "x.h5", CaptureOptions(max_new_tokens=1))

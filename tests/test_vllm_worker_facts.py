@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 import vllm_fakes as fk  # noqa: E402
-from accucheck.capture.api import CaptureOptions  # noqa: E402
+from accucheck.capture.options import CaptureOptions  # noqa: E402
 from accucheck.errors import UserError  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -35,7 +35,7 @@ def engine(monkeypatch):
 
 
 def _capture(tiny_dir, out, **opts):
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.runners.vllm import capture_vllm
 
     return capture_vllm(tiny_dir, PROMPTS, out, CaptureOptions(max_new_tokens=1, **opts))
 
@@ -75,7 +75,7 @@ def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_pat
     worker method is running (vllm-ascend #10711: the front end initialising the device
     runtime). The capture's environment has the worker's device facts, and says so. Before:
     device.fingerprint called torch.cuda.get_device_name in the front end."""
-    from accucheck.capture import vllm_plugin, vllm_runner
+    from accucheck.capture.runners import vllm as vllm_runner, vllm_plugin
 
     def worker_only(value):
         def call(*_a, **_k):
@@ -134,7 +134,7 @@ def test_each_worker_reports_its_determinism_and_compile_state(engine, tiny_dir,
 def test_compile_facts_of_an_older_vllm_and_a_configured_backend():
     """vLLM before 0.11 says `level`, not `mode`; without built attention groups the
     configured attention backend is reported; nothing reachable: None."""
-    from accucheck.capture.vllm_facts import compilation_facts
+    from accucheck.capture.runners.vllm_facts import compilation_facts
 
     config = fk.vllm_config(level=3)
     config.attention_config = SimpleNamespace(backend="FLASH_ATTN")
@@ -168,8 +168,8 @@ def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch
     LCOC overlap off into the environment the workers inherit (a value the user set wins),
     and restores the environment after. Before: ATB's two were never set."""
     from accucheck.capture import device as dev
-    from accucheck.capture.vllm_plugin import PluginConfig
-    from accucheck.capture.vllm_runner import _capture_env
+    from accucheck.capture.runners.vllm_plugin import PluginConfig
+    from accucheck.capture.runners.vllm import _capture_env
 
     for k in dev.DETERMINISTIC_ENV["npu"]:
         monkeypatch.delenv(k, raising=False)
@@ -238,7 +238,7 @@ def test_each_worker_reports_its_fusion_passes(engine, tiny_dir, tmp_path, monke
 def test_an_older_pass_config_and_an_unreadable_ascend_config():
     """vLLM before 0.12 named its switches enable_fusion / enable_noop (read as they are); a
     vllm-ascend whose config is not initialised in this process is said, not raised."""
-    from accucheck.capture.vllm_facts import fusion_facts
+    from accucheck.capture.runners.vllm_facts import fusion_facts
 
     old = SimpleNamespace(pass_config=SimpleNamespace(enable_fusion=True, enable_noop=True,
                                                       dump_graph_dir="/tmp"))
@@ -265,7 +265,7 @@ def test_graph_mode_meta_says_the_taps_may_undo_fusions(engine, tiny_dir, tmp_pa
     the untapped and the tapped engine. Both engines run in this process (the fake's), so the
     tapped count is what it added: 1 match against the untapped engine's 2 names the pass.
     Before: no such entry, and the untapped engine was never asked."""
-    from accucheck.capture.vllm_facts import MATCH_TABLE_MODULES
+    from accucheck.capture.runners.vllm_facts import MATCH_TABLE_MODULES
 
     table = defaultdict(int)
     matcher = SimpleNamespace(match_table=table)

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from accucheck.capture.api import capture_model
-from accucheck.capture.stats import weight_table
+from accucheck.capture.runners.hf import capture_model
+from accucheck.capture.record.stats import weight_table
 from accucheck.compare.diff import diff_captures
 from accucheck.compare.weights import weight_differences, weight_notes
 

@@ -2,7 +2,7 @@
 test module): a fused MoE layer in each of the ways upstream routes, a model runner that the
 plugin's Collector attaches to, and an `LLM` whose workers are that runner in this process.
 
-Routing variants of `MoERunner` (what upstream does, see accucheck.capture.vllm_moe):
+Routing variants of `MoERunner` (what upstream does, see accucheck.capture.runners.vllm_moe):
     vllm           the gate module runs, then router.select_experts -> router._select_experts
     private        the gate module runs, then router._select_experts is called directly
     flinear        F.linear(x, gate.weight) (the gate's forward never runs), router.select_experts
@@ -264,7 +264,7 @@ def step(runner: Runner, reqs: list[tuple[str, int, list[int]]], new: dict[str, 
 
 def attach(runner: Runner, **cfg):
     """The plugin's Collector on `runner`, as `load_model` attaches it."""
-    from accucheck.capture import vllm_plugin as plugin
+    from accucheck.capture.runners import vllm_plugin as plugin
 
     runner._accucheck = plugin.Collector(runner, plugin.PluginConfig(**cfg))
     return runner._accucheck
@@ -277,7 +277,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
 def prefill_and_decode(runner: Runner, **cfg) -> tuple[dict, list]:
     """PROMPTS' prefill and one decode step through the plugin's Collector attached to
     `runner` with `cfg` (full store): (what it drained, its records), no error."""
-    from accucheck.capture import vllm_plugin as plugin
+    from accucheck.capture.runners import vllm_plugin as plugin
 
     col = attach(runner, **{"full": True, **cfg})
     reqs = [(f"r{i}", i, p) for i, p in enumerate(PROMPTS)]
@@ -308,7 +308,7 @@ class FakeLLM:
     in_worker = False  # True while a worker method runs (the fake device APIs check it)
 
     def __init__(self, **kwargs):
-        from accucheck.capture import vllm_plugin as plugin
+        from accucheck.capture.runners import vllm_plugin as plugin
 
         self.kwargs = kwargs
         self.runner = FakeLLM.make_runner()
@@ -321,7 +321,7 @@ class FakeLLM:
         FakeLLM.started.append(self)
 
     def collective_rpc(self, name: str):
-        from accucheck.capture import vllm_plugin as plugin
+        from accucheck.capture.runners import vllm_plugin as plugin
 
         assert name == "accucheck_collect"
         FakeLLM.in_worker = True
@@ -357,7 +357,7 @@ def install_engine(monkeypatch) -> type[FakeLLM]:
     """vllm.LLM replaced by FakeLLM for the test (vllm_runner's engine shutdown a no-op)."""
     import vllm
 
-    from accucheck.capture import vllm_runner
+    from accucheck.capture.runners import vllm as vllm_runner
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(vllm_runner, "shutdown", lambda llm: None)

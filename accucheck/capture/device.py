@@ -124,7 +124,7 @@ DETERMINISTIC_ENV = {
 
 def deterministic_torch(kind: str) -> dict:
     """torch's deterministic switches in this process (per process: vLLM's workers call it
-    themselves, accucheck.capture.vllm_plugin). Returns what was set."""
+    themselves, accucheck.capture.runners.vllm_plugin). Returns what was set."""
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -41,7 +41,7 @@ faulty output, exactly like a faulty device kernel):
 OP is the operator with or without overload ("aten.mm" or "aten.mm.default"), or several
 joined by "|".
 
-Mixture-of-experts faults (transformers 5 MoE blocks, accucheck.capture.moe):
+Mixture-of-experts faults (transformers 5 MoE blocks, accucheck.capture.record.moe):
 
     router:E:D         a router (mlp.gate) whose logit of expert E is off by D for every token
                        (a router kernel with a wrong bias): tokens whose reference margin to E

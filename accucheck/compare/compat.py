@@ -2,7 +2,7 @@
 passed in as an open reader; nothing here imports h5py or torch).
 
 Every capture's meta records `model.config_hash` (the architecture config without dtype and
-paths, accucheck.capture.hf.config_hash) and the config itself. Captures of two different
+paths, accucheck.capture.models.config_hash) and the config itself. Captures of two different
 architectures (4 vs 2 layers, another hidden size) align only by accident of their key names:
 a diff of them names a "culprit" that is nothing but the difference of the models. So the diff
 refuses them (exit 3) unless the user says the models are meant to differ

@@ -260,7 +260,7 @@ class _Differ:
                     and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
         pairs = [(r, self.C.row(r.key)) for r in self.R.rows
                  if self._wanted(r.key) and r.key in self.C and r.key.op is None]
-        # tensor-parallel copies (accucheck.capture.ranks): a rank's differing copy of a
+        # tensor-parallel copies (accucheck.capture.record.ranks): a rank's differing copy of a
         # replicated tensor is compared with the other side's one copy, under its own key
         ranked, shards = rank_pairs(self.R, self.C, self._wanted)
         joined, unjoined = self._join_shards(shards)
@@ -640,7 +640,7 @@ def _rel_scale(row: IndexRow, logits_row: int | None) -> dict:
 
 def _links(row: IndexRow) -> tuple[tuple[str, str], ...]:
     """(input slot, producer key) from a record's /index/extra "src" (sites of the same request
-    and step, see accucheck.capture.recorder); () when the capture stored none."""
+    and step, see accucheck.capture.record.recorder); () when the capture stored none."""
     if not row.extra or '"src"' not in row.extra:
         return ()
     try:

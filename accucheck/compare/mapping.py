@@ -21,8 +21,8 @@ divided by the TP size), then the ranks' parts are joined in rank order (a TP si
 heads: each rank's k / v is one head held by tp // kv_heads ranks, taken once); the renamed sharded
 outputs are joined likewise. A split record is read from the fused one, so it needs its values
 (--store full); in the stats store the vLLM capture records the leaves' statistics itself (one
-rank: accucheck.capture.vllm_plugin) and the fused record is hidden, a renamed record keeps its
-statistics under its new key; what still has statistics only (tensor-parallel shards) stays as
+rank: accucheck.capture.runners.vllm_plugin) and the fused record is hidden, a renamed record keeps
+its statistics under its new key; what still has statistics only (tensor-parallel shards) stays as
 it is, on one side, never compared with another quantity (a note says so). When
 the capture already holds the target (o_proj's / down_proj's input recorded with --inputs, the
 very tensor attn / act_fn returned) the source is hidden; the fused norm's residual stays

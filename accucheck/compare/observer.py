@@ -1,7 +1,7 @@
 """The observer effect of graph-mode captures, read from their meta. Imports nothing of
 accucheck (no h5py, no torch), so diff, inspect and sign-off can all call it.
 
-A graph-mode capture (accucheck.capture.graph) runs the compiled model twice: without taps
+A graph-mode capture (accucheck.capture.record.graph) runs the compiled model twice: without taps
 (its logits are the file's `logits` records) and with them (every other record). Its meta
 "observer_effect" says how far the taps moved the logits: `max_rel_l2`, `max_kl`, `bitwise`,
 per step in `steps`; `measured` false when the check was off (--no-observer-check).

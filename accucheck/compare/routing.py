@@ -4,7 +4,7 @@ keys, store (readers) and compare.metrics / compare.tolerances; no torch.
 
 A **router call** is one call of an MoE router whose three outputs are recorded (transformers
 5: `…mlp.gate#c:out.0` router logits [tokens, experts], `out.1` top-k weights [tokens, k],
-`out.2` top-k expert ids [tokens, k]; accucheck.capture.moe keeps their values in every store
+`out.2` top-k expert ids [tokens, k]; accucheck.capture.record.moe keeps their values in every store
 mode). Found by shape, so imported or older captures count too.
 
 Per router call, from the ids on both sides:

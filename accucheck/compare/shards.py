@@ -1,5 +1,5 @@
 """Tensor-parallel records in a diff: one side's per-rank copies and shards paired with the
-other side's single record (accucheck.capture.ranks wrote them). Imports keys and store; no
+other side's single record (accucheck.capture.record.ranks wrote them). Imports keys and store; no
 torch. compare.diff joins the shards (`_Differ._join_shards`) and reports the rank notes."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ShardGroup:
 
 def rank_pairs(R: CaptureReader, C: CaptureReader, wanted
                ) -> tuple[list[tuple[IndexRow, IndexRow, RecordKey]], list[ShardGroup]]:
-    """One side's per-rank records (slot `<slot>.rank<r>`, accucheck.capture.ranks) that the
+    """One side's per-rank records (slot `<slot>.rank<r>`, accucheck.capture.record.ranks) that the
     other side holds once, under `<slot>`: a differing copy of a replicated tensor is paired
     with the other side's copy (ref row, cand row, the rank copy's key); the parts of a shard
     (a site in that side's meta tensor_parallel.shards) are grouped with the other side's

@@ -1,7 +1,7 @@
 """Weights that differ between two captures at the same name. Imports nothing of accucheck
 (numbers from the captures' meta only: no h5py, no torch), so the diff can call it.
 
-Every HF capture's meta holds "weights" (accucheck.capture.stats.weight_table): per parameter
+Every HF capture's meta holds "weights" (accucheck.capture.record.stats.weight_table): per parameter
 and buffer its dtype, shape, exact bit-pattern checksum and 8 values sampled at fixed
 positions. Two captures' weights of the same name differ when
 
@@ -49,7 +49,7 @@ def weight_differences(ref_meta: dict, cand_meta: dict) -> list[tuple[str, str]]
 
 def _differs(a: dict, b: dict) -> str:
     for side, e in (("ref", a), ("cand", b)):
-        if e.get("replicas_differ"):  # accucheck.capture.ranks: one KV head, two copies
+        if e.get("replicas_differ"):  # accucheck.capture.record.ranks: one KV head, two copies
             r0, r1 = e["replicas_differ"][0]
             return (f"{side}'s tensor-parallel ranks {r0} and {r1} hold different copies of "
                     f"the same KV heads")
@@ -83,7 +83,7 @@ def _differs(a: dict, b: dict) -> str:
 
 def _sources(meta: dict) -> dict[str, str]:
     """Where a weight of a vLLM capture comes from, when it is a part of a fused one
-    ("qkv_proj rows 576-767", accucheck.capture.vllm_plugin)."""
+    ("qkv_proj rows 576-767", accucheck.capture.runners.vllm_plugin)."""
     w = meta.get("weights")
     return {k: v["source"] for k, v in w.items()
             if isinstance(v, dict) and isinstance(v.get("source"), str)} \

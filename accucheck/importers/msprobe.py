@@ -55,7 +55,6 @@ restricted unpickler: tensors, storages and plain containers, never arbitrary ob
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
@@ -70,7 +69,7 @@ import numpy as np
 
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey, clean_slot
-from accucheck.store import CaptureWriter
+from accucheck.store import CaptureWriter, meta_header
 
 RUNNER = "msprobe-import"
 TOP_MODULE = "<top>"            # the enclosing "module" of APIs outside every dumped module
@@ -548,8 +547,8 @@ def _torch_reason(text: str) -> str:
 def _tensor_row(t) -> tuple[np.ndarray, int, np.ndarray, str]:
     """(statistics row + sample, checksum, stored array, dtype name), as accucheck's recorder
     computes them."""
-    from accucheck.capture.recorder import finish_stats
-    from accucheck.capture.stats import tensor_stats, to_host
+    from accucheck.capture.record.recorder import finish_stats
+    from accucheck.capture.record.stats import tensor_stats, to_host
 
     raw = tensor_stats(t).cpu().numpy()
     host, dtype = to_host(t)
@@ -640,9 +639,7 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
         notes.append(f"ranks: imported {chosen}; not imported: "
                      f"{', '.join(r for r in ranks if r != chosen)}")
     meta = {
-        "tool": "accucheck", "tool_version": _version(),
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "runner": RUNNER, "device": "unknown (msprobe dump)", "dtype": dominant,
+        **meta_header(RUNNER), "device": "unknown (msprobe dump)", "dtype": dominant,
         "mode": "unknown (msprobe dump)", "environment": {},
         "msprobe": {
             "source": str(Path(dump).resolve()), "task": task,
@@ -702,10 +699,4 @@ def _write(w: CaptureWriter, r: _Rec, store: str) -> None:
 def _floating(dtype: str) -> bool:
     d = dtype.replace("torch.", "")
     return d.startswith(("float", "bfloat", "half", "double")) or d in ("bfloat16",)
-
-
-def _version() -> str:
-    import accucheck
-
-    return accucheck.__version__
 

@@ -126,7 +126,7 @@ def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSp
               dtype: str, n_new: int, seed: int, device: str, engine_args: dict,
               progress: Progress) -> tuple[list[RunResult], list[EngineStart]]:
     """Every engine group in a process of its own (matrix.vllm_worker), the baseline's first."""
-    from accucheck.capture.vllm_runner import FORCE_TOKENS, cpu_binding
+    from accucheck.capture.runners.vllm import FORCE_TOKENS, cpu_binding
 
     spec_dev = dev.parse_device(device)
     batches = [split(s, dtype)[2] for s in runs]
@@ -222,7 +222,7 @@ def hf_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSpec
     """The HF runner: one model load per (dtype, attn_implementation, environment); `mode`
     graph runs the same weights under torch.compile; `plant(model)` (accucheck's own tests)
     may change the loaded model."""
-    from accucheck.capture.hf import load_model_dir, parse_dtype
+    from accucheck.capture.models import load_model_dir, parse_dtype
 
     spec_dev = dev.parse_device(device)
     tdev = dev.torch_device(spec_dev)
@@ -268,7 +268,7 @@ def _hf_one_run(model, spec: RunSpec, res: RunResult, prompt_ids, dtype: str, n_
     """Every request of interest once, alone or among its fillers; graph mode compiles."""
     import torch
 
-    from accucheck.capture.batched import batched_run
+    from accucheck.capture.runners.batched import batched_run
 
     settings, _env, batch, _ = split(spec, dtype)
     forward = model

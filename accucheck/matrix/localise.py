@@ -5,8 +5,9 @@ vLLM: `capture_vllm` twice, each in a process of its own (matrix.vllm_worker: th
 settings, then the run's with its environment, forced to the baseline capture's tokens). Batch composition: both captures hold the request and its fillers; the
 baseline's engine runs them one at a time (max_num_seqs=1), the run's together. Prefix caching,
 async scheduling and a chunked prefill cannot be captured (a capture matches records to requests
-step by step and needs whole prefills): the row says so. HF: `capture_rows` (capture.batched)
-for the batch size, the attention kernel and the dtype; `capture_dir` in eager against graph
+step by step and needs whole prefills): the row says so. HF: `capture_rows`
+(capture.runners.batched) for the batch size, the attention kernel and the dtype; `capture_dir`
+in eager against graph
 mode for `mode`.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from accucheck.capture.api import CaptureOptions
+from accucheck.capture.options import CaptureOptions
 from accucheck.errors import UserError, one_line
 from accucheck.capture.device import environment
 from accucheck.matrix.engines import VLLM_ENV, fillers, run_worker, split
@@ -135,9 +136,9 @@ def _hf_pair(model_dir, rows, base, run, opts, settings, env, pad_id, plant) -> 
     import torch
 
     from accucheck.capture import device as dev
-    from accucheck.capture.api import capture_model
-    from accucheck.capture.batched import capture_rows
-    from accucheck.capture.hf import load_model_dir, parse_dtype
+    from accucheck.capture.runners.hf import capture_model
+    from accucheck.capture.runners.batched import capture_rows
+    from accucheck.capture.models import load_model_dir, parse_dtype
 
     tdev = dev.torch_device(dev.parse_device(opts.device))
 

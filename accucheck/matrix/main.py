@@ -28,8 +28,8 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
 def tokenized(model_dir: Path, prompts: Sequence[str], trust_remote_code: bool
               ) -> tuple[list[list[int]], int]:
     """(prompt ids, pad id) with the model directory's tokenizer."""
-    from accucheck.capture.api import tokenize_prompts
-    from accucheck.capture.hf import check_model_dir, load_tokenizer
+    from accucheck.capture.runners.hf import tokenize_prompts
+    from accucheck.capture.models import check_model_dir, load_tokenizer
 
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
     tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)

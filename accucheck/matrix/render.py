@@ -8,13 +8,10 @@ import html
 from tabulate import tabulate
 
 from accucheck.matrix.run import PROCESSED_NOTE, Matrix
+from accucheck.numbers import number
 
 HEADERS = ("run", "request", "bitwise", "max |dlogprob|", "max KL", "top-1", "first flip",
            "cached")
-
-
-def _g(x: float) -> str:
-    return "0" if x == 0 else f"{x:.3g}"
 
 
 def table_rows(m: Matrix) -> list[tuple]:
@@ -27,7 +24,7 @@ def table_rows(m: Matrix) -> list[tuple]:
             flip = "-" if d.flip is None else (
                 f"step {d.flip.step}: {d.flip.base_token}->{d.flip.run_token} ({d.flip.label})")
             out.append((row.label, d.request, "yes" if d.bitwise else
-                        f"no (from step {d.first_step})", _g(d.max_dlogprob), _g(d.max_kl),
+                        f"no (from step {d.first_step})", number(d.max_dlogprob), number(d.max_kl),
                         f"{d.top1:.2f}", flip, "-" if d.cached_tokens is None
                         else d.cached_tokens))
     return out

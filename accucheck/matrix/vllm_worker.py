@@ -33,8 +33,8 @@ def run_engine(job: dict) -> tuple[dict, dict[str, np.ndarray]]:
     from vllm import LLM, SamplingParams
 
     from accucheck.capture import device as dev
-    from accucheck.capture import vllm_plugin as plugin
-    from accucheck.capture.vllm_runner import dense_logits, planted_test_fault, shutdown
+    from accucheck.capture.runners import vllm_plugin as plugin
+    from accucheck.capture.runners.vllm import dense_logits, planted_test_fault, shutdown
 
     specs = [RunSpec(tuple((k, v) for k, v in flips), label) for label, flips in job["specs"]]
     prompt_ids, n_new, dtype = job["prompt_ids"], int(job["n_new"]), job["dtype"]
@@ -112,8 +112,8 @@ def _one_run(llm, spec: RunSpec, res: RunResult, prompt_ids, batch: int, params,
 
 
 def capture(job: dict) -> dict:
-    from accucheck.capture.api import CaptureOptions
-    from accucheck.capture.vllm_runner import capture_vllm
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.vllm import capture_vllm
 
     opts = CaptureOptions(**{k: tuple(v) if k in ("include", "exclude") else v
                              for k, v in job["opts"].items()})

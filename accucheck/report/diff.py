@@ -22,6 +22,7 @@ from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
 from accucheck.verdict.types import Divergence, RecordLocation
+from accucheck.numbers import cosine, number
 
 FORMATS = ("table", "json", "csv", "md")
 SCHEMA = "accucheck.diff"
@@ -46,24 +47,6 @@ def render(analysis: Analysis, fmt: str = "table") -> str:
 
 # ----------------------------------------------------------------------------- verdict
 
-def _g(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
-
-
-def _cos(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x == 1.0:
-        return "1"
-    if x > 0.9999:
-        return f"1-{1 - x:.1e}"
-    return f"{x:.6f}" if x > 0.99 else f"{x:.4g}"
 
 
 def _slot(key) -> str:
@@ -77,8 +60,8 @@ def _where(fd: Divergence) -> str:
 
 def first_difference_line(fd: Divergence) -> str:
     """Where two runs that agree bitwise at first start to compute otherwise."""
-    line = (f"First difference: {_where(fd)}: rel_l2 {_g(fd.error)} (tolerance "
-            f"{_g(fd.tolerance)}); every record before it is identical")
+    line = (f"First difference: {_where(fd)}: rel_l2 {number(fd.error)} (tolerance "
+            f"{number(fd.tolerance)}); every record before it is identical")
     if fd.key.role == "in" and "." in fd.module:
         line += (f"; it is an input no record produced: made by code of "
                  f"{fd.module.rsplit('.', 1)[0]} that no record covers")
@@ -119,8 +102,8 @@ def _verdict(a: Analysis) -> str:
         worst = max((r for r in d.records
                      if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
                     key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
-        w = (f"; worst rel_l2 {_g(worst.error)} at {worst.key} (tolerance "
-             f"{_g(worst.tolerance.rel_l2)})") if worst is not None else ""
+        w = (f"; worst rel_l2 {number(worst.error)} at {worst.key} (tolerance "
+             f"{number(worst.tolerance.rel_l2)})") if worst is not None else ""
         ref = sum(r.refereed and not r.within_tolerance for r in d.records)
         refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
                     f"referee") if ref else ""
@@ -132,25 +115,25 @@ def _verdict(a: Analysis) -> str:
         if L.suspicious:
             s = L.suspicious[0]
             sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
-                   f"peers, first {s.key}: amplifies its input error x{_g(s.gain)}, peers "
-                   f"x{_g(s.peers_median)}")
+                   f"peers, first {s.key}: amplifies its input error x{number(s.gain)}, peers "
+                   f"x{number(s.peers_median)}")
         return f"PASS: {n} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
     if a.accumulated:
         return (f"PASS: nothing introduces more than rounding noise: {len(d.failed)} of {n} "
                 f"records over the {d.failed[0].tolerance.source} tolerance carry error "
                 f"accumulated through the model ({L.no_culprit_reason}); largest at "
-                f"{_where(L.worst)}: rel_l2 {_g(L.worst.error)}{weaker}")
+                f"{_where(L.worst)}: rel_l2 {number(L.worst.error)}{weaker}")
     if fd is None and L.first_over is not None:
         fo, wo = L.first_over, L.worst
-        inp = _g(fo.input_error) if fo.input_error is not None else "unknown"
+        inp = number(fo.input_error) if fo.input_error is not None else "unknown"
         largest = "" if wo is None or wo.key == fo.key else \
-            f"; largest at {_where(wo)}: rel_l2 {_g(wo.error)}"
+            f"; largest at {_where(wo)}: rel_l2 {number(wo.error)}"
         sus = ""
         if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
             x = L.suspicious[0]
             sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
-                   f"of their peers, first {x.key}: amplifies its input error x{_g(x.gain)}, "
-                   f"peers x{_g(x.peers_median)}")
+                   f"of their peers, first {x.key}: amplifies its input error x{number(x.gain)}, "
+                   f"peers x{number(x.peers_median)}")
         flip = next((f for f in d.flips if f.near_tie is not True), None)
         if flip is not None and d.golden_path is None:
             # no culprit: a real token flip fails it (verdict.locate.Analysis.within)
@@ -161,19 +144,19 @@ def _verdict(a: Analysis) -> str:
         if L.noise_like is not None:
             n = L.noise_like
             return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
-                    f"error, {n.key} (local rel_l2 {_g(n.local)}), is at {n.reason}: rounding "
+                    f"error, {n.key} (local rel_l2 {number(n.local)}), is at {n.reason}: rounding "
                     f"noise of the dtype, or a defect every {n.kind} shares; no culprit "
                     f"named{sus}{weaker}")
         return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
-                f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {_g(fo.error)}, "
-                f"input rel_l2 {inp}{largest} [tolerance {_g(fo.tolerance)}]; no culprit "
+                f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {number(fo.error)}, "
+                f"input rel_l2 {inp}{largest} [tolerance {number(fo.tolerance)}]; no culprit "
                 f"named{sus}{weaker}")
     if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
         f = next((f for f in d.flips if f.near_tie is not True), None)
         if f is None:
             r = d.failed[0]
-            return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {_g(r.error)} "
-                    f"[tolerance {_g(r.tolerance.rel_l2)}]; their producer is not recorded: "
+            return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {number(r.error)} "
+                    f"[tolerance {number(r.tolerance.rel_l2)}]; their producer is not recorded: "
                     f"widen --include{weaker}")
         return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
                 f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
@@ -182,15 +165,15 @@ def _verdict(a: Analysis) -> str:
         return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
                 f"{list(r.cand_shape)}{weaker}")
     bound = {"stats": "rel_l2 >= ", "sample": "rel_l2 ~ "}.get(fd.basis, "rel_l2 ")
-    inp = (f"{_g(fd.input_error)} ({fd.input_basis})" if fd.input_error is not None
+    inp = (f"{number(fd.input_error)} ({fd.input_basis})" if fd.input_error is not None
            else "unknown")
     nan = ""
     if fd.metrics is not None and fd.metrics.nan_inf_mismatch:
         nan = f", {fd.metrics.nan_inf_mismatch} NaN/Inf positions differ"
     r = d.record(fd.key)
     judged = "; golden referee: cand worse" if r.refereed else ""
-    return (f"FAIL: divergence starts at {_where(fd)}: {bound}{_g(fd.error)}, input rel_l2 "
-            f"{inp} -> introduced here [tolerance {_g(fd.tolerance)}{nan}{judged}]{weaker}")
+    return (f"FAIL: divergence starts at {_where(fd)}: {bound}{number(fd.error)}, input rel_l2 "
+            f"{inp} -> introduced here [tolerance {number(fd.tolerance)}{nan}{judged}]{weaker}")
 
 
 def _control_line(a: Analysis, weaker: str) -> str:
@@ -208,23 +191,23 @@ def _control_line(a: Analysis, weaker: str) -> str:
                 if fd.key.role == "in" and fd.path else "")
         if noise.lead_of is not None:  # the origin of a site more than noise downstream
             o = noise.lead_of
-            return (f"FAIL: more than noise from {_where(fd)}{made}: excess x{_g(s.excess)} "
+            return (f"FAIL: more than noise from {_where(fd)}{made}: excess x{number(s.excess)} "
                     f"over the site's {s.records} records, within "
-                    f"{100 * (1 - s.origin):.0f} % of its threshold x{_g(s.threshold)}, "
-                    f"and it feeds {o.site}, more than noise (x{_g(o.excess)} > "
-                    f"x{_g(o.threshold)}), in its layer -> introduced here (the origin)"
+                    f"{100 * (1 - s.origin):.0f} % of its threshold x{number(s.threshold)}, "
+                    f"and it feeds {o.site}, more than noise (x{number(o.excess)} > "
+                    f"x{number(o.threshold)}), in its layer -> introduced here (the origin)"
                     f"{weaker}")
-        return (f"FAIL: more than noise from {_where(fd)}{made}: x{_g(x.ratio)} "
-                f"{whose} error, what feeds it x{_g(x.input_ratio)}; excess x{_g(s.excess)} "
-                f"over the site's {s.records} records (more than noise above "
-                f"x{_g(s.threshold)}) -> introduced here{weaker}")
+        return (f"FAIL: more than noise from {_where(fd)}{made}: x{number(x.ratio)} "
+                f"{whose} error, what feeds it x{number(x.input_ratio)}; excess "
+                f"x{number(s.excess)} over the site's {s.records} records (more than noise above "
+                f"x{number(s.threshold)}) -> introduced here{weaker}")
     if flip is not None:
         return (f"FAIL: generated token differs at request {flip.req} step {flip.step} (ref "
                 f"{flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no record is "
                 f"more than {whose} noise{weaker}")
     top = noise.sites[0] if noise.sites else None
-    worst = (f"; closest to more than noise: {top.site}, excess x{_g(top.excess)} (threshold "
-             f"x{_g(top.threshold)})") if top is not None else ""
+    worst = (f"; closest to more than noise: {top.site}, excess x{number(top.excess)} (threshold "
+             f"x{number(top.threshold)})") if top is not None else ""
     over = sum(not r.within_tolerance for r in d.records)
     tol = f"; {over} over the dtype tolerance, as the control is" if over else ""
     return (f"PASS: {len(noise.records)} records within the noise of {ctl}{worst}{tol}"
@@ -234,8 +217,9 @@ def _control_line(a: Analysis, weaker: str) -> str:
 def _flip_why(f: TokenFlip) -> str:
     if f.near_tie is None:
         return "no logits stored to tell a near-tie from a real flip (capture with --store full)"
-    return (f"reference margin {_g(f.margin)} vs logit noise {_g(f.noise)} (a near-tie up to "
-            f"x{NEAR_TIE_FACTOR:g}): {'a near-tie' if f.near_tie else 'a real flip'}")
+    return (f"reference margin {number(f.margin)} vs logit noise {number(f.noise)} (a "
+            f"near-tie up to x{NEAR_TIE_FACTOR:g}): "
+            f"{'a near-tie' if f.near_tie else 'a real flip'}")
 
 
 # ----------------------------------------------------------------------------- json
@@ -427,9 +411,9 @@ def to_text(a: Analysis, md: bool = False) -> str:
         n, wo = L.noise_like, L.worst
         out += ["", ("### " if md else "") + "No culprit",
                 f"The first record to introduce error over tolerance, {n.key}, introduces "
-                f"{_g(n.local)} (local rel_l2) and is at {n.reason}. This is what rounding "
+                f"{number(n.local)} (local rel_l2) and is at {n.reason}. This is what rounding "
                 f"noise at this dtype looks like in a deep model (or a defect that every "
-                f"{n.kind} shares). Largest at {_where(wo)}: rel_l2 {_g(wo.error)}. A control "
+                f"{n.kind} shares). Largest at {_where(wo)}: rel_l2 {number(wo.error)}. A control "
                 f"run judges at the noise scale: `accucheck diff REF CAND --control auto`, or "
                 f"`accucheck capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck "
                 f"diff REF CAND --control ctl.h5` (docs/control.md)."]
@@ -437,9 +421,10 @@ def to_text(a: Analysis, md: bool = False) -> str:
         wo = L.worst
         out += ["", ("### " if md else "") + "No culprit",
                 f"The error is diffuse / inherited: every record over tolerance is explained by "
-                f"what feeds it (x{_g(L.amplification)} rule). Largest at {_where(wo)}: rel_l2 "
-                f"{_g(wo.error)}, input {_g(wo.input_error)}. Compare with a golden (float64) "
-                f"capture (--golden) to see whether the candidate is worse or just different."]
+                f"what feeds it (x{number(L.amplification)} rule). Largest at {_where(wo)}: "
+                f"rel_l2 {number(wo.error)}, input {number(wo.input_error)}. Compare with a golden "
+                f"(float64) capture (--golden) to see whether the candidate is worse or just "
+                f"different."]
     if L.noise is not None:
         out += ["", ("### " if md else "") + "Control (more than noise?)"]
         out += control_lines(L.noise, fmt)
@@ -448,10 +433,10 @@ def to_text(a: Analysis, md: bool = False) -> str:
     if L.suspicious:
         out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:
-            out.append(f"SUSPICIOUS: {x.key}: rel_l2 {_g(x.error)} (tolerance "
-                       f"{_g(x.tolerance)}), local {_g(x.local)}: it amplifies what feeds it "
-                       f"x{_g(x.gain)}, its {x.peers} peers ({x.kind}) x{_g(x.peers_median)} "
-                       f"(median)")
+            out.append(f"SUSPICIOUS: {x.key}: rel_l2 {number(x.error)} (tolerance "
+                       f"{number(x.tolerance)}), local {number(x.local)}: it amplifies what "
+                       f"feeds it x{number(x.gain)}, its {x.peers} peers ({x.kind}) "
+                       f"x{number(x.peers_median)} (median)")
     findings = d.precision_findings
     if findings:
         out += ["", ("### " if md else "") + "Precision findings"]
@@ -478,11 +463,11 @@ def to_text(a: Analysis, md: bool = False) -> str:
         m = r.metrics
         row = [str(r.key), r.routing if r.routing in JUDGED_ELSEWHERE else
                "ok" if r.within else (loc.cause or "over"),
-               _g(r.error) + BASIS_MARK.get(r.basis, ""),
-               _g(loc.input_error), _g(loc.introduced),
-               _cos(m.cosine) if m else "-", _g(m.max_abs) if m else "-",
-               (_g(float(m.max_ulp)) if m and m.max_ulp is not None else "-"),
-               _g(r.tolerance.rel_l2)]
+               number(r.error) + BASIS_MARK.get(r.basis, ""),
+               number(loc.input_error), number(loc.introduced),
+               cosine(m.cosine) if m else "-", number(m.max_abs) if m else "-",
+               (number(float(m.max_ulp)) if m and m.max_ulp is not None else "-"),
+               number(r.tolerance.rel_l2)]
         if d.golden_path:
             row.append(r.golden.label if r.golden else "-")
         rows.append(row)
@@ -537,7 +522,7 @@ def _curve_table(L, fmt: str) -> str:
         for s in steps:
             c = cell.get((ly, s))
             row.append("-" if c is None else
-                       f"{_g(c[0])} / {_cos(c[1])}"
+                       f"{number(c[0])} / {cosine(c[1])}"
                        + ("" if c[2] else " *"))
         rows.append(row)
     return tabulate(rows, ["layer"] + [f"step {s}" for s in steps], tablefmt=fmt,
@@ -554,9 +539,9 @@ def _logits_table(d: DiffResult, fmt: str) -> str:
     for st in sorted(by_step)[:8]:
         ss = by_step[st]
         pos = [p for s in ss for p in s.positions]
-        rows.append([st, len(pos), _g(max(p.kl for p in pos) if pos else 0.0),
+        rows.append([st, len(pos), number(max(p.kl for p in pos) if pos else 0.0),
                      f"{sum(p.agree for p in pos)}/{len(pos)}",
-                     _g(min((p.top5_overlap for p in pos), default=1.0))])
+                     number(min((p.top5_overlap for p in pos), default=1.0))])
     text = tabulate(rows, ["step", "positions", "max KL", "top-1 agree", "min top-5 overlap"],
                     tablefmt=fmt, disable_numparse=True) if rows else ""
     f = d.first_flip

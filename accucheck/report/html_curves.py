@@ -11,7 +11,7 @@ import math
 from accucheck.compare.results import DiffResult
 from accucheck.compare.routing import RoutingResult
 from accucheck.keys import layer_of
-from accucheck.report.diff import _g
+from accucheck.numbers import number
 from accucheck.report.routing import routing_lines
 from accucheck.verdict.locate import Analysis
 
@@ -170,7 +170,7 @@ def _logits(d: DiffResult) -> str:
         return "<p>no logits recorded</p>"
     rows = "".join(
         f"<tr><td>{s.key.req}</td><td>{s.key.step}</td><td>{len(s.positions)}</td>"
-        f"<td>{_g(s.max_kl)}</td><td>{_g(s.top1_agreement)}</td>"
+        f"<td>{number(s.max_kl)}</td><td>{number(s.top1_agreement)}</td>"
         f"<td>{_kl_bars(s)}</td></tr>" for s in d.logits)
     out = ('<table class="t" id="logits"><tr><th>request</th><th>step</th><th>positions</th>'
            '<th>max KL</th><th>top-1 agree</th><th>KL per position</th></tr>' + rows +
@@ -180,7 +180,7 @@ def _logits(d: DiffResult) -> str:
     items = "".join(
         f'<li class="{"tie" if f.near_tie else "real" if f.near_tie is False else ""}">'
         f"request {f.req} step {f.step} position {f.position}: ref {f.ref_token} vs cand "
-        f"{f.cand_token}: {_e(f.label)} (margin {_g(f.margin)}, noise {_g(f.noise)})</li>"
+        f"{f.cand_token}: {_e(f.label)} (margin {number(f.margin)}, noise {number(f.noise)})</li>"
         for f in d.flips[:50])
     more = f"<p>... {len(d.flips) - 50} more (--format json)</p>" if len(d.flips) > 50 else ""
     return out + f'<p>token flips:</p><ul id="flips">{items}</ul>{more}'

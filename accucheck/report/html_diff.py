@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from accucheck.compare.results import RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.keys import RecordKey, layer_kind, rank_slot, split_rank
-from accucheck.store import Stats
-from accucheck.report.diff import _g, to_text, verdict_line
+from accucheck.numbers import number
+from accucheck.report.diff import to_text, verdict_line
 from accucheck.report.html_assets import CSS, FIELDS, JS, STATS, TEXT_FIELDS
 from accucheck.report.html_curves import _curves, _e, _logits, _routing
+from accucheck.store import Stats
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import RecordLocation
 
@@ -299,7 +300,7 @@ def _row(x: _Cell, reqs: list[int]) -> list:
 def _control(r: RecordDiff) -> str | None:
     if not r.control:
         return None
-    return (f"cand {_g(r.elem_error)}; controls " + ", ".join(_g(c) for c in r.control)
+    return (f"cand {number(r.elem_error)}; controls " + ", ".join(number(c) for c in r.control)
             + " (mean elementwise relative error)")
 
 

@@ -2,16 +2,13 @@
 verdict (noise, types); formats only."""
 from __future__ import annotations
 
-import math
 
 from accucheck.verdict.noise import layer_ratios
 from accucheck.verdict.types import NoiseSite, NoiseVerdict
+from accucheck.numbers import number
 
 MAX_SITES = 6   # sites listed in the text report
 
-
-def _g(x: float) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else "inf"
 
 
 def _site_json(s: NoiseSite) -> dict:
@@ -51,11 +48,11 @@ def control_lines(v: NoiseVerdict, fmt: str) -> list[str]:
         lines.append("No site is more than noise; the closest:")
     for s in shown:
         lines.append(f"{'MORE THAN NOISE' if s.flagged else 'within noise'}: {s.site}: excess "
-                     f"x{_g(s.excess)} over {s.records} records (threshold x{_g(s.threshold)}: "
-                     f"its {s.peers} peers' spread), first at {s.key}")
+                     f"x{number(s.excess)} over {s.records} records (threshold "
+                     f"x{number(s.threshold)}: its {s.peers} peers' spread), first at {s.key}")
     if len(v.flagged) > MAX_SITES:
         lines.append(f"... {len(v.flagged) - MAX_SITES} more sites (--format json)")
-    rows = [[ly, f"x{_g(r)}", f"x{_g(m)}", site] for ly, r, m, site in layer_ratios(v)]
+    rows = [[ly, f"x{number(r)}", f"x{number(m)}", site] for ly, r, m, site in layer_ratios(v)]
     if rows:
         lines += ["", tabulate(rows, ["layer", "cand/control at output",
                                       "largest excess inside", "at"],

@@ -8,7 +8,8 @@ from __future__ import annotations
 import io
 import math
 
-from accucheck.report.signoff_result import SignoffResult, fmt_pct, worst_records
+from accucheck.numbers import percent
+from accucheck.report.signoff_result import SignoffResult, worst_records
 
 PLOTS = (("layers", "Error by layer, per step"),
          ("logits_kl", "Logits KL(ref || cand) by position"),
@@ -150,7 +151,7 @@ def _plot_tokens(r: SignoffResult) -> bytes:
     steps = r.analysis.diff.logits
     if not steps:
         _empty(ax, "no logits stored: token agreement from generated ids only\n"
-                   f"({fmt_pct(r.metrics.token_agreement)} of {r.metrics.tokens_compared})")
+                   f"({percent(r.metrics.token_agreement)} of {r.metrics.tokens_compared})")
         return _png(fig)
     by_step: dict[int, list[bool]] = {}
     ties, reals = [], []

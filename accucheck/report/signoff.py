@@ -28,8 +28,9 @@ from accucheck.report.diff import BASIS_MARK
 from accucheck.report.diff import to_json as diff_to_json
 from accucheck.report.html_diff import to_html as diff_to_html
 from accucheck.report.plots import PLOTS, make_plots
-from accucheck.report.signoff_result import SignoffResult, fmt_number, fmt_pct, worst_records
+from accucheck.report.signoff_result import SignoffResult, worst_records
 from accucheck.verdict.noise import layer_ratios
+from accucheck.numbers import cosine, number, percent
 
 SCHEMA = "accucheck.signoff"
 SCHEMA_VERSION = 1
@@ -156,17 +157,11 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
 
 # ----------------------------------------------------------------------------- shared rows
 
-def _cos(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.6f}" if x > 0.99 else f"{x:.4g}"
-
-
 def check_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in r.checks:
-        lim = "-" if c.limit is None else f"{c.op} {fmt_number(c.limit)}"
-        val = _cos(c.value) if c.name == "layer_cosine" else fmt_number(c.value)
+        lim = "-" if c.limit is None else f"{c.op} {number(c.limit)}"
+        val = cosine(c.value) if c.name == "layer_cosine" else number(c.value)
         rows.append(["PASS" if c.passed else "FAIL", c.name, val, lim, c.detail])
     return ["", "check", "value", "limit", "detail"], rows
 
@@ -202,10 +197,10 @@ def layer_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
         row = [str(ly)]
         for s in steps:
             c = cell.get((ly, s))
-            row.append("-" if c is None else f"{fmt_number(c.rel_l2)} / {_cos(c.cosine)}"
+            row.append("-" if c is None else f"{number(c.rel_l2)} / {cosine(c.cosine)}"
                        + ("" if c.within else " *"))
         ok = all(p.within for p in curve if p.layer == ly)
-        row += [fmt_number(worst[ly].rel_l2), "ok" if ok else "over tolerance"]
+        row += [number(worst[ly].rel_l2), "ok" if ok else "over tolerance"]
         if golden:
             row.append(golden.get(ly, "-"))
         rows.append(row)
@@ -223,7 +218,7 @@ def control_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[boo
     rows, oks = [], []
     for ly, ratio, excess, site in layer_ratios(noise):
         ok = not any(layer_of(s.key.module) == ly for s in noise.flagged)
-        rows.append([str(ly), f"x{fmt_number(ratio)}", f"x{fmt_number(excess)}", site,
+        rows.append([str(ly), f"x{number(ratio)}", f"x{number(excess)}", site,
                      "ok" if ok else "MORE THAN NOISE"])
         oks.append(ok)
     return ["layer", "cand / control at output", "largest excess inside", "at", "status"], \
@@ -243,7 +238,7 @@ def matrix_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool
         gated = len(row["flips"]) == 1 and next(iter(row["flips"])) in invariant
         rows.append([row["label"], row["error"] or (", ".join(map(str, row["moved"]))
                                                     or "none (bitwise equal)"),
-                     fmt_number(worst), where, culprit])
+                     number(worst), where, culprit])
         oks.append(not (gated and (row["error"] or row["moved"])))
     return ["run", "requests moved", "max |dlogprob|", "first difference", "culprit"], rows, oks
 
@@ -258,7 +253,7 @@ def routing_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[boo
     for d in routing.per_router():
         f = d["first_flip"]
         rows.append([d["router"], str(d["tokens"]), str(d["flipped"]),
-                     str(d["weights_differ"]), fmt_pct(d["agreement"]),
+                     str(d["weights_differ"]), percent(d["agreement"]),
                      "-" if f is None else f"r{f['req']}.s{f['step']} token {f['token']}: "
                      f"{f['ref_experts']} -> {f['cand_experts']} ({f['label']})"])
         oks.append(f is None)
@@ -275,10 +270,10 @@ def token_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
         ss = by_step[st]
         pos = [p for s in ss for p in s.positions]
         gen = [s.positions[-1] for s in ss if s.positions]
-        rows.append([str(st), str(len(pos)), fmt_number(max((p.kl for p in pos), default=0.0)),
+        rows.append([str(st), str(len(pos)), number(max((p.kl for p in pos), default=0.0)),
                      f"{sum(p.agree for p in pos)}/{len(pos)}",
                      f"{sum(p.agree for p in gen)}/{len(gen)}",
-                     fmt_number(min((p.top5_overlap for p in pos), default=1.0))])
+                     number(min((p.top5_overlap for p in pos), default=1.0))])
     return ["step", "positions", "max KL", "top-1 agree (all positions)",
             "generated token agrees", "min top-5 overlap"], rows
 
@@ -287,7 +282,7 @@ def flip_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     rows = []
     for f in r.analysis.diff.flips:
         rows.append([str(f.req), str(f.step), str(f.position), str(f.ref_token),
-                     str(f.cand_token), fmt_number(f.margin), fmt_number(f.noise), f.label])
+                     str(f.cand_token), number(f.margin), number(f.noise), f.label])
     return ["request", "step", "position", "ref token", "cand token", "ref margin",
             "logit noise", "label"], rows
 
@@ -303,8 +298,8 @@ def worst_rows(r: SignoffResult) -> tuple[list[str], list[list[str]], list[bool]
     for x in recs:
         loc = locs[str(x.key)]
         row = [str(x.key), "ok" if x.within else (loc.cause or "over"),
-               fmt_number(x.error) + BASIS_MARK.get(x.basis, ""), fmt_number(loc.input_error),
-               _cos(x.cosine), fmt_number(x.tolerance.rel_l2)]
+               number(x.error) + BASIS_MARK.get(x.basis, ""), number(loc.input_error),
+               cosine(x.cosine), number(x.tolerance.rel_l2)]
         if has_golden:
             row.append(x.golden.label if x.golden else "-")
         rows.append(row)
@@ -316,7 +311,7 @@ def regression_rows(r: SignoffResult) -> tuple[list[str], list[list[str]]]:
     if r.regression is None:
         return [], []
     return ["metric", "last release", "this run", "change"], [
-        [i.metric, fmt_number(i.previous), fmt_number(i.current), i.change]
+        [i.metric, number(i.previous), number(i.current), i.change]
         for i in r.regression.items]
 
 
@@ -331,35 +326,35 @@ def divergence_lines(r: SignoffResult) -> list[str]:
         fo, wo = L.first_over, L.worst
         head = (f"No culprit: {len(a.diff.failed)} records over tolerance, but each is "
                 f"explained by what feeds it (diffuse / inherited error, "
-                f"x{fmt_number(L.amplification)} rule).") if L.noise_like is None else \
+                f"x{number(L.amplification)} rule).") if L.noise_like is None else \
             (f"No culprit: {len(a.diff.failed)} records over tolerance; "
              f"{L.no_culprit_reason}: rounding noise of the dtype, or a defect every "
              f"{L.noise_like.kind} shares; a [control] run tells which.")
         return [head,
                 f"First over tolerance: {fo.module} (step {fo.step}, request {fo.key.req}), "
-                f"rel_l2 {fmt_number(fo.error)}; largest: {wo.module} (step {wo.step}, request "
-                f"{wo.key.req}), rel_l2 {fmt_number(wo.error)} "
-                f"(tolerance {fmt_number(wo.tolerance)})."]
+                f"rel_l2 {number(fo.error)}; largest: {wo.module} (step {wo.step}, request "
+                f"{wo.key.req}), rel_l2 {number(wo.error)} "
+                f"(tolerance {number(wo.tolerance)})."]
     if fd is None:
         lines = ["No record is over tolerance: no divergence to locate."]
         for x in L.suspicious[:3]:
-            lines.append(f"Suspicious (noise floor): {x.key}: rel_l2 {fmt_number(x.error)}, "
+            lines.append(f"Suspicious (noise floor): {x.key}: rel_l2 {number(x.error)}, "
                          f"amplifies "
-                         f"its input error x{fmt_number(x.gain)}, its {x.peers} peers "
-                         f"x{fmt_number(x.peers_median)}")
+                         f"its input error x{number(x.gain)}, its {x.peers} peers "
+                         f"x{number(x.peers_median)}")
         return lines
     rec = a.diff.record(fd.key)
     lines = [x.strip() for x in culprit_lines(a.culprit)]
     lines.append(f"Cause: introduced here: its output error is more than "
-                 f"{fmt_number(L.amplification)}x what feeds it")
+                 f"{number(L.amplification)}x what feeds it")
     if fd.path:
         lines.append("Inside: " + " > ".join(fd.path))
     if fd.input_from:
         lines.append(f"Input error ({fd.input_basis}) from: " + ", ".join(fd.input_from[:4]))
     if rec.golden is not None:
         lines.append(f"Golden referee: {rec.golden.label} "
-                     f"(ref RMSE {fmt_number(rec.golden.ref_rmse)}, "
-                     f"cand RMSE {fmt_number(rec.golden.cand_rmse)})")
+                     f"(ref RMSE {number(rec.golden.ref_rmse)}, "
+                     f"cand RMSE {number(rec.golden.cand_rmse)})")
     elif a.diff.golden_path is None:
         lines.append("Golden referee: none (add a [golden] run, e.g. dtype = \"float64\" on "
                      "the CPU, to tell whose error it is)")
@@ -414,14 +409,14 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     head, rows, _ = routing_rows(r)
     if rows:
         out += ["## MoE routing (tokens routed to other experts; records after a flip are not "
-                "judged)", "", f"agreement {fmt_pct(r.metrics.routing_agreement)}"
+                "judged)", "", f"agreement {percent(r.metrics.routing_agreement)}"
                 + (" (routing forced from the reference)" if r.analysis.diff.routing.forced
                    else ""), "", _md_table(head, rows), ""]
     m = r.metrics
     out += ["## Tokens and logits", "",
-            f"token agreement: {fmt_pct(m.token_agreement)} of {m.tokens_compared} generated "
-            f"tokens; top-1 agreement: {fmt_pct(m.top1_agreement)} of {m.logits_positions} "
-            f"positions; max KL: {fmt_number(m.max_logits_kl)}; "
+            f"token agreement: {percent(m.token_agreement)} of {m.tokens_compared} generated "
+            f"tokens; top-1 agreement: {percent(m.top1_agreement)} of {m.logits_positions} "
+            f"positions; max KL: {number(m.max_logits_kl)}; "
             f"flips: {m.near_tie_flips} near-tie, "
             f"{m.real_flips} real", ""]
     head, rows = token_rows(r)
@@ -562,14 +557,14 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     if rows:
         b += ["<h2>MoE routing</h2>",
               f'<p class="small">Token routings (token x router call) whose expert set '
-              f"differs; agreement <b>{fmt_pct(r.metrics.routing_agreement)}</b>. Records after "
+              f"differs; agreement <b>{percent(r.metrics.routing_agreement)}</b>. Records after "
               f"a flip compare other experts' computations and are not judged.</p>",
               _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
     m = r.metrics
     b += ["<h2>Tokens and logits</h2>",
-          f"<p>token agreement: <b>{fmt_pct(m.token_agreement)}</b> of {m.tokens_compared} "
-          f"generated tokens; top-1 agreement: <b>{fmt_pct(m.top1_agreement)}</b> of "
-          f"{m.logits_positions} positions; max KL: <b>{_e(fmt_number(m.max_logits_kl))}</b>; "
+          f"<p>token agreement: <b>{percent(m.token_agreement)}</b> of {m.tokens_compared} "
+          f"generated tokens; top-1 agreement: <b>{percent(m.top1_agreement)}</b> of "
+          f"{m.logits_positions} positions; max KL: <b>{_e(number(m.max_logits_kl))}</b>; "
           f"flips: {m.near_tie_flips} near-tie, {m.real_flips} real</p>"]
     head, rows = token_rows(r)
     if rows:

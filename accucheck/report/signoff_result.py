@@ -1,16 +1,16 @@
 """The sign-off's result records (`SignoffResult` and its `Check`, `Metrics`, `EnvRow`,
-`Regression`) and `fmt_number`, the number format of its verdict sentence and reports. Data and
-formatting only: the sign-off run (accucheck.signoff) makes them, the sign-off report
-(report.signoff) renders them, and the report does not import the run. Imports errors and
-verdict (Analysis); the scenario type only by name (signoff sits above report).
+`Regression`). Data only (numbers are written by accucheck.numbers): the sign-off run
+(accucheck.signoff) makes them, the sign-off report (report.signoff) renders them, and the
+report does not import the run. Imports errors and verdict (Analysis); the scenario type only
+by name (signoff sits above report).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
+from accucheck.numbers import number
 from accucheck.verdict.locate import Analysis
 
 
@@ -142,7 +142,7 @@ class SignoffResult:
             bits = [f"{m.records_compared} records within tolerance" if noise is None else
                     f"{len(noise.records)} records within the control's noise"]
             if m.max_layer_rel_l2 is not None:
-                bits.append(f"max layer rel_l2 {fmt_number(m.max_layer_rel_l2)}")
+                bits.append(f"max layer rel_l2 {number(m.max_layer_rel_l2)}")
             if m.token_agreement is not None:
                 bits.append(f"token agreement {m.token_agreement:.1%}")
             if m.near_tie_flips:
@@ -159,21 +159,21 @@ class SignoffResult:
         if fd is not None and fd.noise is not None:
             lead_of = self.analysis.location.noise.lead_of
             why.append(f"more than noise from step {fd.step}, {self.culprit} (excess "
-                       f"x{fmt_number(fd.noise.excess)} over the control's noise, threshold "
-                       f"x{fmt_number(fd.noise.threshold)}"
+                       f"x{number(fd.noise.excess)} over the control's noise, threshold "
+                       f"x{number(fd.noise.threshold)}"
                        + (f"; the origin of {lead_of.site}, more than noise downstream"
                           if lead_of is not None else "") + ")")
         elif fd is not None:
             rec = self.analysis.diff.record(fd.key)
             gold = f", golden: {rec.golden.label}" if rec.golden is not None else ""
             why.append(f"divergence starts at step {fd.step}, {self.culprit} "
-                       f"({fd.cause}, rel_l2 {fmt_number(fd.error)} > tolerance "
-                       f"{fmt_number(fd.tolerance)}{gold})")
+                       f"({fd.cause}, rel_l2 {number(fd.error)} > tolerance "
+                       f"{number(fd.tolerance)}{gold})")
         elif self.analysis.location.diffuse:
             fo = self.analysis.location.first_over
             sus = self.analysis.location.suspicious
             up = (f"; SUSPICIOUS upstream: {sus[0].key.module} ({sus[0].key}, x"
-                  f"{fmt_number(sus[0].ratio)} its peers)" if sus else "")
+                  f"{number(sus[0].ratio)} its peers)" if sus else "")
             nl = self.analysis.location.noise_like
             why.append(f"error over tolerance but introduced by no record (diffuse / inherited),"
                        f" first at step {fo.step} {fo.module}; no culprit named{up}"
@@ -186,26 +186,6 @@ class SignoffResult:
                 continue
             why.append(c.detail)
         return f"FAIL: {what}: " + "; ".join(why) + "."
-
-
-def fmt_number(x: float | int | None) -> str:
-    """A number as the sign-off reports write it: "-" for None, 3 significant digits."""
-    if x is None:
-        return "-"
-    if isinstance(x, int):
-        return str(x)
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if math.isnan(x):
-        return "nan"
-    if x == 0:
-        return "0"
-    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
-
-
-def fmt_pct(x: float | None) -> str:
-    """A fraction as the sign-off reports write it: "-" for None, one decimal of a percent."""
-    return "-" if x is None else f"{x:.1%}"
 
 
 WORST_ROWS = 12

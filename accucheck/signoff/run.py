@@ -35,9 +35,10 @@ from accucheck.compare.routing import flip_line
 from accucheck.errors import UserError
 # the records live in report.signoff_result (the report reads them too); kept importable here
 from accucheck.report.signoff_result import (Check, EnvRow, Metrics, Regression,  # noqa: F401
-                                             RegressionItem, SignoffResult, fmt_number)
+                                             RegressionItem, SignoffResult)
 from accucheck.signoff.scenario import TINY_MODELS, Scenario, load_scenario, with_captures
 from accucheck.verdict.locate import Analysis, analyze
+from accucheck.numbers import cosine, number, percent
 
 Progress = Callable[[str], None]
 REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "diff.html", "plots")
@@ -264,7 +265,8 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
     if not scn.prompts:
         raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
-    from accucheck.capture.api import CaptureOptions, capture_dir, capture_model
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.hf import capture_dir, capture_model
 
     model_dir = scenario_model_dir(scn)
     extra = {"signoff": {"scenario": scn.name, "role": role}}
@@ -282,7 +284,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
         + f" -> {out}")
     try:
         if spec.runner == "vllm":
-            from accucheck.capture.vllm_runner import capture_vllm
+            from accucheck.capture.runners.vllm import capture_vllm
 
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
         elif spec.fault is None and spec.dither is None:
@@ -291,7 +293,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
         else:
             from accucheck.capture.device import parse_device, torch_device
             from accucheck.capture.faults import planted
-            from accucheck.capture.hf import load_model_dir, parse_dtype
+            from accucheck.capture.models import load_model_dir, parse_dtype
 
             model, tok = load_model_dir(model_dir, parse_dtype(spec.dtype),
                                         torch_device(parse_device(spec.device)),
@@ -424,10 +426,10 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
     else:  # the control decides "more than noise?", the tolerance does not
         n = len(noise.flagged)
         what = (f"{n} site(s) more than the control's noise, first {noise.flagged[0].site} "
-                f"(excess x{fmt_number(noise.flagged[0].excess)}, threshold "
-                f"x{fmt_number(noise.flagged[0].threshold)})" if n else
+                f"(excess x{number(noise.flagged[0].excess)}, threshold "
+                f"x{number(noise.flagged[0].threshold)})" if n else
                 f"no site more than the control's noise (largest excess "
-                f"x{fmt_number(noise.sites[0].excess)} at {noise.sites[0].site})"
+                f"x{number(noise.sites[0].excess)} at {noise.sites[0].site})"
                 if noise.sites else "no record the control holds")
         checks.append(Check("noise", n == 0, n, 0, "<=",
                             f"{what}; {m.records_over_tolerance} of {m.records_compared} "
@@ -438,7 +440,7 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
             return
         ok = value is not None and value <= limit
         checks.append(Check(name, ok, value, limit, "<=",
-                            f"{what} {fmt_number(value)} {'<=' if ok else '>'} {fmt_number(limit)}"
+                            f"{what} {number(value)} {'<=' if ok else '>'} {number(limit)}"
                             if value is not None else f"{what}: nothing to measure"))
 
     def lower(name, value, limit, what):
@@ -446,14 +448,14 @@ def judge(scn: Scenario, a: Analysis, m: Metrics, reg: Regression | None) -> tup
             return
         ok = value is not None and value >= limit
         checks.append(Check(name, ok, value, limit, ">=",
-                            f"{what} {_pct(value)} {'>=' if ok else '<'} {_pct(limit)}"
+                            f"{what} {percent(value)} {'>=' if ok else '<'} {percent(limit)}"
                             if value is not None else f"{what}: nothing to measure"))
 
     upper("layer_rel_l2", m.max_layer_rel_l2, thr.layer_rel_l2, "max layer rel_l2")
     if thr.layer_cosine is not None:
         ok = m.min_layer_cosine is not None and m.min_layer_cosine >= thr.layer_cosine
         checks.append(Check("layer_cosine", ok, m.min_layer_cosine, thr.layer_cosine, ">=",
-                            f"min layer cosine {_cosine(m.min_layer_cosine)} "
+                            f"min layer cosine {cosine(m.min_layer_cosine)} "
                             f"{'>=' if ok else '<'} {thr.layer_cosine}"))
     upper("logits_kl", m.max_logits_kl, thr.logits_kl, "max logits KL")
     lower("top1_agreement", m.top1_agreement, thr.top1_agreement, "top-1 agreement")
@@ -505,20 +507,12 @@ def _refereed(c: Check, a: Analysis) -> Check:
                    f"candidate no worse than the reference on all {len(recs)} {what} records")
 
 
-def _cosine(x: float | None) -> str:
-    return "-" if x is None else f"{x:.6f}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
 def _first_flip(d, *, real: bool) -> str:
     f = next((f for f in d.flips if (f.near_tie is not True) == real), None)
     if f is None:
         return ""
     why = ("" if f.margin is None
-           else f", margin {fmt_number(f.margin)} vs noise {fmt_number(f.noise)}")
+           else f", margin {number(f.margin)} vs noise {number(f.noise)}")
     return f"; first at request {f.req} step {f.step} (ref {f.ref_token} vs cand {f.cand_token}" \
            f"{why})"
 

@@ -8,7 +8,7 @@ it (children finish, and are recorded, before their parent; an op call's parent 
 call). What feeds a record, never the worst of unrelated earlier records:
 
 - a call's outputs: its recorded inputs ("inputs"); the producers the capture linked its inputs
-  to ("links", accucheck.capture.recorder); with both, the larger; without links (graph mode,
+  to ("links", accucheck.capture.record.recorder); with both, the larger; without links (graph mode,
   vLLM, older files) the immediately preceding call under the same parent, else what feeds
   the parent ("proxy"); "none" when nothing feeds it (the first record of its step);
 - a container's output slot: the child that returned that very tensor (o_proj's output is

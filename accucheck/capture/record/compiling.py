@@ -1,7 +1,7 @@
 """Graph mode's compilation: the torch.compile backend, progress lines while it compiles,
 dynamo's counters of graphs and breaks, and quiet side-effect replay.
 
-Imports torch (dynamo lazily) and accucheck.capture.device. Used by accucheck.capture.api.
+Imports torch (dynamo lazily) and accucheck.capture.device. Used by accucheck.capture.runners.hf.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Forward-hook recorder: copies what the selected modules produce, writes records.
 
 Imports torch, accucheck.keys and accucheck.store (never h5py directly). Which modules are
-selected and how a call's tensors are named: accucheck.capture.selection; which recorded
-tensor an input is (producer links): accucheck.capture.links.
+selected and how a call's tensors are named: accucheck.capture.record.selection; which recorded
+tensor an input is (producer links): accucheck.capture.record.links.
 
 Hooks are a scoped resource: `Recorder.hooks()` registers them, keeps every handle and removes
 them in `finally`, also when forward raises. The user's model is never modified beyond the
@@ -30,8 +30,8 @@ level mm's transposed weight, the embedding table) has its statistics and values
 per capture and view, every record of it names the weight (/index/extra {"weight": NAME}) and
 points to one dataset.
 
-Statistics (accucheck.capture.stats.StepStats): taken in the hook, so an in-place change after
-it cannot alter them; on the CPU one pass of a C kernel per record, on accelerators one copy
+Statistics (accucheck.capture.record.stats.StepStats): taken in the hook, so an in-place change
+after it cannot alter them; on the CPU one pass of a C kernel per record, on accelerators one copy
 into a staging buffer per record and a dozen kernels per step and dtype / size group; the whole
 step comes to the host once, in `end_step`.
 
@@ -40,7 +40,7 @@ step and call counters are assigned afterwards, in `end_step`), so the compiled 
 guard on them. In graph mode a hook only appends a detached clone to a list that dynamo replays
 as a side effect; statistics are computed after the forward. Tensor identity is not observable
 inside compiled code: graph mode stores no links and records inputs only with `--inputs`. The
-hooks are either the selected modules' outputs or `taps` (accucheck.capture.graph.Tap: the
+hooks are either the selected modules' outputs or `taps` (accucheck.capture.record.graph.Tap: the
 default kernel-boundary taps, a Linear's first input or its output stored under the record
 name the tap says).
 """
@@ -55,10 +55,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.stats import StepStats, _no_modes, tensor_rows, to_host
-from accucheck.capture.links import (Frame, Pending, Producers, identity, plain_storage,
-                                     view_of, weak_expired, weak_free)
-from accucheck.capture.selection import call_slots, flatten, inputs_of
+from accucheck.capture.record.stats import StepStats, _no_modes, tensor_rows, to_host
+from accucheck.capture.record.links import (Frame, Pending, Producers, identity, plain_storage,
+                                            view_of, weak_expired, weak_free)
+from accucheck.capture.record.selection import call_slots, flatten, inputs_of
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
 
@@ -89,7 +89,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 def stats_rows(tensors: list[torch.Tensor], hosts: list[np.ndarray | None]
                ) -> list[tuple[np.ndarray, int]]:
     """(stored statistics row, checksum) per tensor, with one device-to-host transfer
-    (accucheck.capture.stats: a staging copy per tensor and a dozen kernels per dtype / size
+    (accucheck.capture.record.stats: a staging copy per tensor and a dozen kernels per dtype / size
     on the GPU / NPU, one C pass per tensor on the CPU)."""
     if not tensors:
         return []
@@ -167,8 +167,8 @@ class Recorder:
 
     Call `begin_step(req, step)` before each forward and `end_step(logits=...)` after it.
     In eager mode, also stores producer links and records the inputs no link explains
-    (accucheck.capture.links). Statistics: accucheck.capture.stats (`stats_kernel`: "c" / "torch"
-    for CPU tensors, default the C kernel when it builds).
+    (accucheck.capture.record.links). Statistics: accucheck.capture.record.stats (`stats_kernel`:
+    "c" / "torch" for CPU tensors, default the C kernel when it builds).
 
     Eager, per selected module: a forward wrapper (`_wrapped_forward`, see the module
     docstring for when), else a pre-hook (call index, input links, "in" records) and one
@@ -194,9 +194,9 @@ class Recorder:
                  keep: Sequence[str] = ()):
         self.model = model
         # modules whose outputs keep their values whatever the store mode (MoE routers: small,
-        # and the diff needs them whole; accucheck.capture.moe)
+        # and the diff needs them whole; accucheck.capture.record.moe)
         self.keep = frozenset(keep)
-        self.taps = list(taps) if taps is not None else None  # graph mode: capture.graph.Tap
+        self.taps = list(taps) if taps is not None else None  # graph mode: capture.record.graph.Tap
         self.writer = writer
         self.modules = list(modules)
         self.record_inputs = record_inputs
@@ -447,7 +447,7 @@ class Recorder:
 
     # -- hooks ---------------------------------------------------------------------------
     def _tap_hook(self, tap):
-        """Graph mode, one accucheck.capture.graph.Tap: a copy of the hooked module's first
+        """Graph mode, one accucheck.capture.record.graph.Tap: a copy of the hooked module's first
         input (pre-hook) or its output, stored as record (tap.module, tap.role, tap.slot)."""
         pending, module, role, slot = self._pending, tap.module, tap.role, tap.slot
         if tap.where == "in":

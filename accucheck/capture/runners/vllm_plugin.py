@@ -1,7 +1,7 @@
 """vLLM worker side of `--runner vllm`: hooks installed at model load, records per request/step.
 
 Runs inside every vLLM process (it is the `vllm.general_plugins` entry point `accucheck`) and is
-imported by accucheck.capture.vllm_runner. Imports torch and vllm, and from accucheck only the
+imported by accucheck.capture.runners.vllm. Imports torch and vllm, and from accucheck only the
 recorder's tensor helpers and keys. Knows nothing about HDF5: every rank records, and the records
 go back to the front end through `collect`, which `LLM.collective_rpc("accucheck_collect")`
 reaches on every worker by name (the worker extension `CaptureWorker`), in wire form
@@ -41,11 +41,11 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from accucheck.capture.device import deterministic_torch
-from accucheck.capture.recorder import stats_rows
-from accucheck.capture.selection import flatten, inputs_of, select_modules
-from accucheck.capture.stats import to_host
-from accucheck.capture.vllm_facts import fusion_facts, model_of, worker_facts
-from accucheck.capture.vllm_moe import RoutingTaps, moe_routers
+from accucheck.capture.record.recorder import stats_rows
+from accucheck.capture.record.selection import flatten, inputs_of, select_modules
+from accucheck.capture.record.stats import to_host
+from accucheck.capture.runners.vllm_facts import fusion_facts, model_of, worker_facts
+from accucheck.capture.runners.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
 
 ENV = "ACCUCHECK_VLLM_CAPTURE"
@@ -216,7 +216,7 @@ def _wrap_load_model(orig):
 def collect(worker) -> dict:
     """This worker's records (drained, in wire form: see `Record.to_wire`), what it recorded
     and what it is ("facts": device, determinism, compile state, sampler mode:
-    accucheck.capture.vllm_facts). Called through `CaptureWorker.accucheck_collect` by
+    accucheck.capture.runners.vllm_facts). Called through `CaptureWorker.accucheck_collect` by
     `LLM.collective_rpc`."""
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     col = getattr(runner, "_accucheck", None)
@@ -261,7 +261,7 @@ class Collector:
                         if vllm_kind(by_name[n]) != "PPMissingLayer"]
         if not cfg.include:
             self.modules = vllm_default(self.model, self.modules)
-        self.kinds = {n: vllm_kind(by_name[n]) for n in self.modules}  # for capture.ranks
+        self.kinds = {n: vllm_kind(by_name[n]) for n in self.modules}  # for capture.record.ranks
         # stats store, one rank: a fused layer's output also recorded as transformers' leaves
         # (q / k / v, gate / up), so a stats capture compares leaf by leaf (compare.mapping)
         self._splits = {n: parts for n in self.modules
@@ -339,7 +339,7 @@ class Collector:
     def _install_routing_hooks(self, by_name) -> None:
         """Eager: each fused MoE layer's routing recorded as its gate's slots "1" and "2" (and
         "0" when the gate module does not run), wherever vLLM / vllm-ascend route
-        (accucheck.capture.vllm_moe): the keys of a transformers capture."""
+        (accucheck.capture.runners.vllm_moe): the keys of a transformers capture."""
         taps = RoutingTaps(by_name, self.routers, self._captured, self._active, self._calls,
                            self.skipped)
         taps.install()
@@ -592,7 +592,7 @@ def layer_weights(path: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tens
 
 
 def _table(items: list[tuple[str, torch.Tensor, dict]], tp: int) -> dict:
-    from accucheck.capture.stats import weight_entries
+    from accucheck.capture.record.stats import weight_entries
 
     table = weight_entries([(n, t) for n, t, _ in items], samples=tp == 1)
     extra = {n: e for n, _, e in items}
@@ -600,10 +600,10 @@ def _table(items: list[tuple[str, torch.Tensor, dict]], tp: int) -> dict:
 
 
 def vllm_weight_table(model: torch.nn.Module, tp: int) -> dict:
-    """This rank's meta "weights" entries (accucheck.capture.stats.weight_table) under
+    """This rank's meta "weights" entries (accucheck.capture.record.stats.weight_table) under
     transformers' names (`layer_weights`). A layer whose weight vLLM's CPU backend packed and
     removed at load (oneDNN) was tabled just before (`_stash_before_packing`). The front end
-    joins the ranks (accucheck.capture.ranks.merge_weight_tables)."""
+    joins the ranks (accucheck.capture.record.ranks.merge_weight_tables)."""
     out: dict = {}
     items = []
     for path, mod in model.named_modules():

@@ -535,7 +535,7 @@ def weight_table(model: torch.nn.Module) -> dict:
 
 def weight_entries(named, samples: bool = True) -> dict:
     """`weight_table` of (name, tensor) pairs (a vLLM worker's parts of its fused weights under
-    transformers' names, accucheck.capture.vllm_plugin); `samples` False: "sample" left out
+    transformers' names, accucheck.capture.runners.vllm_plugin); `samples` False: "sample" left out
     (a tensor-parallel rank's part samples other positions than the whole weight)."""
     eng = StepStats()
     out: dict[str, dict] = {}

@@ -1,5 +1,5 @@
 """Graph mode (--mode graph): which tensors to tap, and the observer check that measures what
-the taps change. Imports torch and accucheck.capture.recorder.
+the taps change. Imports torch and accucheck.capture.record.recorder.
 
 **Taps at kernel boundaries.** A tap (a hook that keeps a copy of a tensor) makes that tensor an
 output of the compiled graph. Where the backend would have kept it inside a fused kernel
@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from accucheck.capture.selection import flatten
+from accucheck.capture.record.selection import flatten
 
 # HF GPT-2's Conv1D is an addmm with a transposed weight: a Linear for this purpose
 _MATMUL_CLASSES = ("Conv1D",)
@@ -140,8 +140,8 @@ def boundary_taps(model: nn.Module, producers: Sequence[str],
 
 
 def router_taps(routers: Sequence) -> list[Tap]:
-    """Graph mode: the three outputs of every MoE router (accucheck.capture.moe.Router: logits,
-    top-k weights, top-k ids), so that a graph capture holds the same routing records as an
+    """Graph mode: the three outputs of every MoE router (accucheck.capture.record.moe.Router:
+    logits, top-k weights, top-k ids), so that a graph capture holds the same routing records as an
     eager one. The router's matmul is a library call like a Linear's; its top-k and weights
     are outputs of the router either way."""
     return [Tap(r.gate, "out", r.gate, "out", slot) for r in routers for slot in "012"]

@@ -1,9 +1,9 @@
 """MoE routing under vLLM / vllm-ascend (eager): where each fused MoE layer routes, tapped there.
 
-Imports torch only; used by accucheck.capture.vllm_plugin (worker side: `RoutingTaps`) and
-accucheck.capture.vllm_runner (front end: `routing_gap`).
+Imports torch only; used by accucheck.capture.runners.vllm_plugin (worker side: `RoutingTaps`) and
+accucheck.capture.runners.vllm (front end: `routing_gap`).
 
-The records are the transformers runner's (accucheck.capture.moe): the router logits as the
+The records are the transformers runner's (accucheck.capture.record.moe): the router logits as the
 gate's slot "0", the top-k weights "1", the expert ids "2". Where the routing happens is not one
 place, and a tap on one of them alone records nothing on the others (read upstream):
 - vLLM (GPU / CPU): `MoERunner` calls `router.select_experts`, which calls

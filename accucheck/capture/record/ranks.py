@@ -1,9 +1,9 @@
 """Tensor-parallel records: every rank's copy checked, replicated tensors stored once, shards kept.
 
-Used by accucheck.capture.vllm_runner after the workers' records came back; no torch, no vLLM
+Used by accucheck.capture.runners.vllm after the workers' records came back; no torch, no vLLM
 (tests/test_ranks.py runs it on hand-made records). A record here is anything with the
-attributes of accucheck.capture.vllm_plugin.Record (req, step, module, call, role, slot, shape,
-stats, checksum, data, order, rank).
+attributes of accucheck.capture.runners.vllm_plugin.Record (req, step, module, call, role, slot,
+shape, stats, checksum, data, order, rank).
 
 - replicated (the default modules' outputs: embeddings and row-parallel layers all-reduce, so
   every rank holds the whole tensor): the copies must be bit-identical (same shape, checksum
@@ -124,8 +124,8 @@ def _float(data: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def merge_weight_tables(tables: dict[int, dict | None], tp: int) -> dict:
-    """One meta "weights" (accucheck.capture.stats.weight_table) from every rank's
-    (accucheck.capture.vllm_plugin.vllm_weight_table): a replicated weight from the lowest
+    """One meta "weights" (accucheck.capture.record.stats.weight_table) from every rank's
+    (accucheck.capture.runners.vllm_plugin.vllm_weight_table): a replicated weight from the lowest
     rank; a column- / row-split one with its checksums (exact bit-pattern sums mod 2**52)
     added across the ranks and its rows / columns joined; a vocabulary-parallel one (padded
     rows) only at TP 1. Entries keep "source" (where a fused weight's part comes from).

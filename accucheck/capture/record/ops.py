@@ -21,7 +21,7 @@ carries in /index/extra: {"site": "<file>:<line> in <function>" (the innermost P
 outside torch and accucheck), "args": [...], "kwargs": {...}, "src": {...}} with tensors as
 {"t": slot} and dtypes / devices / layouts as {"dtype": "float32"}, ...: enough to call the op
 again (`accucheck replay`). "src" (absent when empty) links input slots to the records that
-hold those tensors, as module records do (accucheck.capture.recorder); the MLP's product
+hold those tensors, as module records do (accucheck.capture.record.recorder); the MLP's product
 `model.layers.0.mlp#0/aten.mul.Tensor@0` has {"0": "model.layers.0.mlp.act_fn#0:out.0",
 "1": "model.layers.0.mlp.up_proj#0:out.0"} (a module's output record is registered after the
 ops inside it: the outermost record of a tensor is its producer). A floating-point input that
@@ -52,9 +52,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accucheck.capture.selection import flatten
-from accucheck.capture.shadow import (ShadowRecorder, ShadowSource, Unreplayable,
-                                      _no_dispatch_modes, ref_tensor_lookup)
+from accucheck.capture.record.selection import flatten
+from accucheck.capture.record.shadow import (ShadowRecorder, ShadowSource, Unreplayable,
+                                             _no_dispatch_modes, ref_tensor_lookup)
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureWriter

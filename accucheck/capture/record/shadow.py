@@ -7,7 +7,7 @@ prompts) makes every selected module call run a second time, right after its rea
 the inputs REF recorded for the same key (request, step, module, call). The result is stored
 under role "shadow" with the slots of the real output. In the diff, REF out vs CAND shadow is
 the error the module introduces on this device, free of inherited error. With `--level op`
-each recorded operator is shadowed the same way (see accucheck.capture.ops).
+each recorded operator is shadowed the same way (see accucheck.capture.record.ops).
 
 How a call is rebuilt: the live call's structure (positional args, kwargs, tuples, dicts) is
 walked in the recorder's slot order; every tensor leaf is replaced by REF's tensor of the same
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from accucheck.capture.links import Frame
-from accucheck.capture.recorder import Recorder
-from accucheck.capture.selection import flatten
+from accucheck.capture.record.links import Frame
+from accucheck.capture.record.recorder import Recorder
+from accucheck.capture.record.selection import flatten
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
 from accucheck.store import CaptureReader, CaptureWriter, open_capture
@@ -70,7 +70,8 @@ class ShadowSource:
             raise UserError(f"--shadow {path}: it holds statistics only; the reference must be "
                             f"captured with --store full --inputs")
         if (self.reader.meta.get("options") or {}).get("record_inputs") is False:
-            # its "in" records are only the inputs no link explains (accucheck.capture.recorder)
+            # its "in" records are only the inputs no link explains
+            # (accucheck.capture.record.recorder)
             self.reader.close()
             raise UserError(f"--shadow {path}: it was captured without --inputs; capture the "
                             f"reference with --store full --inputs")

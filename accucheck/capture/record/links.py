@@ -1,6 +1,6 @@
 """Producer links (eager mode): which recorded tensor a module call's input is.
 
-Imports torch and numpy. Used by accucheck.capture.recorder (and its op / shadow subclasses),
+Imports torch and numpy. Used by accucheck.capture.record.recorder (and its op / shadow subclasses),
 whose records (`Pending`) and open calls (`Frame`) are defined here.
 
 Every recorded tensor is remembered for the rest of the step by
@@ -15,7 +15,7 @@ kept alive). When a selected module is called, each floating-point tensor input 
   recorded several times (o_proj's output is also self_attn's output), the last record wins:
   the outermost module that returned it;
 - it is a parameter or buffer of the model: not linked, and recorded only with `--inputs`
-  (its statistics and values once per capture, accucheck.capture.recorder);
+  (its statistics and values once per capture, accucheck.capture.record.recorder);
 - otherwise (a residual sum, `act(gate) * up`, an additive attention mask, a tensor made
   outside the selected modules) it is recorded as an "in" record of this call, also without
   `--inputs`, and remembered like an output: the next call that gets the same tensor (the mask
@@ -49,7 +49,7 @@ class Pending:
     dtype: str
     shape: tuple[int, ...]
     numel: int
-    # op-level records (accucheck.capture.ops), shadow replays and eager module records carry
+    # op-level records (accucheck.capture.record.ops), shadow replays and eager module records carry
     # their own key parts
     op: str | None = None
     op_index: int | None = None

@@ -1,6 +1,6 @@
 """`capture --control-for REF`: the options of a control run made from a reference capture;
 `diff --control auto` (`auto_control`): that run made here, beside the candidate. Imports
-errors, store and capture.api (options); torch only through capture.api.
+errors, store and capture.runners.hf (options); torch only through capture.runners.hf.
 
 A control is the reference's code at the candidate's dtype on a trusted device (bf16 on the
 CPU; or the GPU itself at another batch size or thread count), forced to the reference's
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from accucheck.capture.api import CaptureOptions
+from accucheck.capture.options import CaptureOptions
 from accucheck.errors import UserError
 from accucheck.store import open_capture
 
@@ -54,7 +54,7 @@ def auto_control(ref: str | Path, cand: str | Path, *, force: bool = False,
     the CPU at that dtype: it would measure no noise); an existing file there must be a
     complete control of this REF at that dtype (else a one-line error: nothing is overwritten
     unless `force`)."""
-    from accucheck.capture.api import capture_dir
+    from accucheck.capture.runners.hf import capture_dir
 
     with open_capture(ref) as r:
         model_dir = r.meta.get("model_path")

@@ -1,6 +1,6 @@
 """Hugging Face runner: load a local model directory, run prefill + greedy decode steps.
 
-Imports torch and transformers. Used by accucheck.capture.api; knows nothing about HDF5.
+Imports torch and transformers. Used by accucheck.capture.runners.hf; knows nothing about HDF5.
 """
 from __future__ import annotations
 

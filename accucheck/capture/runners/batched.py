@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from accucheck.capture import device as dev
-from accucheck.capture.api import CaptureOptions, _meta, check_output_path
-from accucheck.capture.hf import cache_argument, _cache_of
-from accucheck.capture.recorder import dtype_name, stats_rows
-from accucheck.capture.selection import flatten, select_modules
-from accucheck.capture.stats import to_host
-from accucheck.coverage import coverage, sites_of
+from accucheck.capture.options import CaptureOptions
+from accucheck.capture.runners.hf import hf_meta
+from accucheck.capture.session import CaptureSession, check_output_path
+from accucheck.capture.models import cache_argument, _cache_of
+from accucheck.capture.record.recorder import dtype_name, stats_rows
+from accucheck.capture.record.selection import flatten, select_modules
+from accucheck.capture.record.stats import to_host
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import CaptureWriter
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,11 @@ def capture_rows(model: nn.Module, rows: Sequence[Sequence[int]], out: str | Pat
     device = next(model.parameters()).device
     modules = select_modules(model, opts.include, opts.exclude)
     seeded = dev.seed_everything(opts.seed, spec)
-    meta = _meta(model, spec, opts, modules=modules, routers=[], causal=True,
+    meta = hf_meta(model, spec, opts, modules=modules, routers=[], causal=True,
                  backend_name=None, seeded=seeded, determinism={}, graph_taps=None)
     meta["matrix_run"] = {"label": label, "batch": len(rows),
                           "row_lengths": [len(r) for r in rows],
                           "note": "row 0 of a left-padded batch, pads cut off"}
-    writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
-                           compression=opts.compression)
     at = {"step": 0, "pad0": 0, "width": 0, "calls": {}}
     pending: list[tuple[RecordKey, torch.Tensor]] = []
     batch = len(rows)
@@ -121,39 +119,39 @@ def capture_rows(model: nn.Module, rows: Sequence[Sequence[int]], out: str | Pat
         return post
 
     by_name = dict(model.named_modules())
-    handles = [by_name[n].register_forward_hook(hook(n, isinstance(by_name[n], nn.Linear)))
-               for n in modules]
-    complete = False
-    try:
-        def on_step(step: int, pad0: int, width: int) -> None:
+    session = CaptureSession(out, meta, opts, requests=1, steps=opts.max_new_tokens + 1,
+                             require=False)
+    writer = session.writer
+    with session:
+        handles = [by_name[n].register_forward_hook(hook(n, isinstance(by_name[n], nn.Linear)))
+                   for n in modules]
+        try:
+            def on_step(step: int, pad0: int, width: int) -> None:
+                flush()
+                at.update(step=step, pad0=pad0, width=width, calls={})
+
+            def flush() -> None:
+                if not pending:
+                    return
+                hosts = [to_host(t)[0] for _, t in pending]
+                for (key, t), host, (stats, checksum) in zip(
+                        pending, hosts, stats_rows([t for _, t in pending], hosts)):
+                    writer.add(key, "module", dtype_name(t), tuple(t.shape), stats, checksum,
+                               host if writer.store == "full" else None)
+                pending.clear()
+
+            run = batched_run(model, rows, device, opts.max_new_tokens, forced=forced,
+                              pad_id=pad_id, on_step=on_step)
             flush()
-            at.update(step=step, pad0=pad0, width=width, calls={})
-
-        def flush() -> None:
-            if not pending:
-                return
-            hosts = [to_host(t)[0] for _, t in pending]
-            for (key, t), host, (stats, checksum) in zip(
-                    pending, hosts, stats_rows([t for _, t in pending], hosts)):
-                writer.add(key, "module", dtype_name(t), tuple(t.shape), stats, checksum,
-                           host if writer.store == "full" else None)
-            pending.clear()
-
-        run = batched_run(model, rows, device, opts.max_new_tokens, forced=forced,
-                          pad_id=pad_id, on_step=on_step)
-        flush()
-        for step in range(opts.max_new_tokens + 1):
-            lg = run.prompt_logits[None] if step == 0 else run.logits[step:step + 1][None]
-            lg = np.ascontiguousarray(lg, dtype=np.float32)
-            [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
-            writer.add(RecordKey(0, step, LOGITS_MODULE, 0, "out", "0"), "logits", "float32",
-                       lg.shape, stats, checksum, lg if writer.store == "full" else None)
-        writer.set_request(0, list(rows[0]), run.generated, None)
-        writer.update_meta(coverage=coverage(sites_of(writer.keys), 1,
-                                             opts.max_new_tokens + 1))
-        complete = True
-        return run
-    finally:
-        for h in handles:
-            h.remove()
-        writer.close(complete=complete)
+            for step in range(opts.max_new_tokens + 1):
+                lg = run.prompt_logits[None] if step == 0 else run.logits[step:step + 1][None]
+                lg = np.ascontiguousarray(lg, dtype=np.float32)
+                [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
+                writer.add(RecordKey(0, step, LOGITS_MODULE, 0, "out", "0"), "logits", "float32",
+                           lg.shape, stats, checksum, lg if writer.store == "full" else None)
+            writer.set_request(0, list(rows[0]), run.generated, None)
+            session.finish()
+            return run
+        finally:
+            for h in handles:
+                h.remove()
