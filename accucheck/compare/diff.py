@@ -426,7 +426,8 @@ class _Differ:
                     key=row.key, kind=row.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=tuple(a.shape), cand_shape=tuple(b.shape),
                     tolerance=tol, cand_key=None, src=_links(ra) or _links(ca),
-                    basis="tensor", metrics=acc.result()))
+                    basis="tensor", metrics=acc.result(), ref_stats=ra.stats,
+                    cand_stats=ca.stats))
         return out, skipped
 
     def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
@@ -435,7 +436,7 @@ class _Differ:
         base = dict(key=ra.key, kind=ra.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
                     tolerance=tol, cand_key=ca.key if ca.key != ra.key else None,
-                    src=_links(ra) or _links(ca))
+                    src=_links(ra) or _links(ca), ref_stats=ra.stats, cand_stats=ca.stats)
         todo = [t for t in self.transforms if t.matches(ra.key)]
         if todo and ra.has_data and ca.has_data:
             return self._transformed(ra, ca, todo, tol, base), None

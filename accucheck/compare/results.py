@@ -13,6 +13,7 @@ from accucheck.compare.opmatch import OpAlignment
 from accucheck.compare.routing import JUDGED_ELSEWHERE, RoutingResult
 from accucheck.compare.tolerances import NEAR_TIE_FACTOR, Tolerance, ToleranceTable
 from accucheck.keys import RecordKey
+from accucheck.store import Stats
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
 ESTIMATED = ("sample", "stats")  # the bases whose error is an estimate (the stats store)
@@ -69,6 +70,8 @@ class RecordDiff:
                                 # "masked" (compared on the tokens routed alike), "after-flip"
                                 # (follows a routing flip: different computations, not judged)
     rows_excluded: int = 0      # "masked" / "ids": token rows routed differently
+    ref_stats: Stats | None = field(default=None, compare=False)   # each side's index
+    cand_stats: Stats | None = field(default=None, compare=False)  # statistics (store.Stats)
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "sample", "stats", "shape"):
