@@ -251,17 +251,20 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--allow-model-mismatch", is_flag=True,
               help="compare captures of different model configs (e.g. a checkpoint conversion);"
                    " refused by default")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="processes measuring the records (default: the cores available to this "
+                   "process; 1: this process only). Same verdict whatever the number")
 @click.option("--impact", "impact_file", type=click.Path(dir_okay=False),
               help="an `accucheck impact` result (-o JSON): show the share of the logit gap "
                    "the culprit recovers (--format table, md or json)")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
-         include, transforms, amplification, allow_incomplete, allow_model_mismatch,
+         include, transforms, amplification, allow_incomplete, allow_model_mismatch, jobs,
          impact_file=None):
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
-    from accucheck.compare.diff import diff_captures
-    from accucheck.verdict.locate import Analysis, locate
+    from accucheck.compare.parallel import available_cores, io_line
+    from accucheck.verdict.locate import analyze
     from accucheck.report.diff import render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
@@ -301,13 +304,15 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
             err(head.pop())
         err(msg)
 
-    d = diff_captures(ref, cand, golden, tolerances=tol, steps=steps or None, include=include,
-                      allow_incomplete=allow_incomplete, progress=progress,
-                      allow_model_mismatch=allow_model_mismatch, controls=controls,
-                      transforms=declared)
+    result = analyze(ref, cand, golden, amplification=amplification or DEFAULT_AMPLIFICATION,
+                     tolerances=tol, steps=steps or None, include=include,
+                     allow_incomplete=allow_incomplete, progress=progress,
+                     allow_model_mismatch=allow_model_mismatch, controls=controls,
+                     transforms=declared, jobs=jobs or available_cores())
     while head:
         err(head.pop())
-    result = Analysis(d, locate(d, amplification=amplification or DEFAULT_AMPLIFICATION))
+    if result.diff.io and result.diff.io["bytes_data"]:
+        err(io_line(result.diff.io))
     if fmt == "html":
         from accucheck.report.html_diff import to_html
 

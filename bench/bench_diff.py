@@ -2,6 +2,12 @@
 reduction over the same files, and peak memory vs file size. Not a test; one run, prints a table.
 
     python bench/bench_diff.py [--workdir DIR] [--sizes 64,256] [--keep]
+    python bench/bench_diff.py --scaling [--scaling-mib 512] [--jobs 1,2,N]   # docs/scale.md
+
+--scaling: GB/s of `diff_captures(jobs=j)` (tensor bytes read / wall time, page cache warm) for
+each j, the speed-up per core against j = 1, and the bytes a mostly identical pair (95 % of its
+records bitwise equal, as an eager-vs-graph pair of one device mostly is) reads through the
+content hashes (/index/hash) against the same files without them.
 
 Synthetic full captures (float32 activations [1, 512, 4096], 8 MiB each, candidate = reference
 + 1e-6 relative noise) are written with accucheck.store.CaptureWriter. The baseline reads every
@@ -126,14 +132,113 @@ def peak_rss_mib(code: str) -> float:
     return int(p.stdout.strip().splitlines()[-1]) / 1024
 
 
+def make_mostly_identical(d: Path, mib: int, differ_every: int = 20) -> tuple[Path, Path]:
+    """A pair of which one record in `differ_every` differs (1e-6 relative noise); the others
+    are the same bytes on both sides."""
+    from accucheck.keys import RecordKey
+    from accucheck.store import CaptureWriter
+
+    n = max(differ_every, mib * (1 << 20) // (int(np.prod(SHAPE)) * 4))
+    ref, cand = d / f"same_ref_{mib}.h5", d / f"same_cand_{mib}.h5"
+    rng = np.random.default_rng(1)
+    with CaptureWriter(ref, meta={"dtype": "float32"}, store="full", force=True) as wr, \
+            CaptureWriter(cand, meta={"dtype": "float32"}, store="full", force=True) as wc:
+        for i in range(n):
+            key = RecordKey(0, 0, f"model.layers.{i}", 0, "out", "0")
+            a = rng.standard_normal(SHAPE, dtype=np.float32)
+            b = a * (1 + np.float32(1e-6) * rng.standard_normal(SHAPE, dtype=np.float32)) \
+                if i % differ_every == differ_every - 1 else a
+            for w, x in ((wr, a), (wc, b)):
+                x64 = x.astype(np.float64)
+                st = [x64.min(), x64.max(), x64.mean(), x64.std(), np.abs(x64).max(),
+                      np.sqrt(np.dot(x64.ravel(), x64.ravel())), 0, 0, (x64 == 0).sum(), x.size]
+                w.add(key, "module", "float32", SHAPE, np.array(st), 0, x)
+        for w in (wr, wc):
+            w.set_request(0, [1, 2, 3], [])
+    return ref, cand
+
+
+def without_hashes(path: Path, out: Path) -> Path:
+    """A copy of `path` as written before /index/hash existed."""
+    import shutil
+
+    import h5py
+
+    shutil.copyfile(path, out)
+    with h5py.File(out, "a") as f:
+        del f["index/hash"]
+    return out
+
+
+def scaling(work: Path, mib: int, jobs: list[int]) -> None:
+    from accucheck.compare.diff import diff_captures
+    from accucheck.compare.parallel import available_cores
+
+    ref, cand = make_pair(work, mib)
+    baseline(ref, cand)  # warm the page cache
+    print(f"scaling: a {2 * mib} MiB pair ({mib} MiB per file, every record differs, all read); "
+          f"{available_cores()} cores available; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'jobs':>4} {'s':>7} {'GB read':>8} {'GB/s':>6} {'speed-up':>8} {'per core':>8} "
+          f"{'CPU s':>6} {'GB/CPU-s':>8}")
+    base, rates = None, {}
+    for j in jobs:
+        t, d = timed_result(lambda: diff_captures(ref, cand, jobs=j))
+        gb = d.io["bytes_read"] / 1e9
+        base = base or gb / t
+        rates[j] = gb / t
+        cpu = d.io["cpu_s"]  # the measuring processes' CPU time: what a free core would do
+        print(f"{j:>4} {t:>7.2f} {gb:>8.2f} {gb / t:>6.2f} {gb / t / base:>8.2f} "
+              f"{gb / t / base / j:>8.2f} {cpu:>6.2f} {gb / cpu:>8.2f}")
+    best = max(r / j for j, r in rates.items())
+    print(f"per core: accucheck {1000 * best:.0f} MB/s (best of the rows above); msprobe's "
+          f"published 0.1-0.3 GB/s on a 192-core machine is {100 / 192:.1f}-{300 / 192:.1f} MB/s "
+          f"per core (accucheck per core: {1000 * best / (300 / 192):.0f}-"
+          f"{1000 * best / (100 / 192):.0f} x msprobe's)")
+    same_ref, same_cand = make_mostly_identical(work, mib)
+    old_ref = without_hashes(same_ref, work / "old_ref.h5")
+    old_cand = without_hashes(same_cand, work / "old_cand.h5")
+    for label, (a, b) in (("with content hashes", (same_ref, same_cand)),
+                          ("without (older files)", (old_ref, old_cand))):
+        baseline(a, b)
+        t, d = timed_result(lambda: diff_captures(a, b, jobs=1))
+        io = d.io
+        print(f"mostly identical pair, {label}: read {io['bytes_read'] / 1e6:.0f} of "
+              f"{io['bytes_data'] / 1e6:.0f} MB ({100 * io['bytes_read'] / io['bytes_data']:.1f} "
+              f"%), {io['unread_identical']} of {len(d.records)} records not read, {t:.2f} s "
+              f"(jobs 1), verdict {'PASS' if d.within else 'FAIL'}")
+
+
+def timed_result(fn, repeat: int = 3):
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--sizes", default="64,256", help="MiB per capture file")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--scaling", action="store_true", help="jobs scaling and bytes read only")
+    ap.add_argument("--scaling-mib", type=int, default=512, help="MiB per file for --scaling")
+    ap.add_argument("--jobs", default=None, help="e.g. 1,2,4 (default 1, 2 and the cores)")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="accucheck-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.scaling:
+        from accucheck.compare.parallel import available_cores
+
+        jobs = [int(j) for j in args.jobs.split(",")] if args.jobs else \
+            sorted({1, 2, available_cores()})
+        scaling(work, args.scaling_mib, jobs)
+        if not args.keep and not args.workdir:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for mib in sizes:

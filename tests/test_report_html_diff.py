@@ -1,8 +1,11 @@
 """`accucheck diff --format html`: the page's verdict is the text report's headline, the planted
 fault's culprit cell is marked and a clean pair marks nothing, cells not compared are hatched,
 nothing is loaded from outside, an 80-layer x 15-kind x 8-step x 4-request diff renders within a
-bounded size, and the page opens in headless Chromium with no console errors (screenshots left
-in /tmp/accucheck-diff-*.png for people to look at).
+bounded size, the detail box holds both sides' statistics, the rank and the capture's input
+links, the request switch colours and marks one request's records and shows its curves, the
+control band is drawn per step, MoE routing agreement is charted per layer (and nothing without
+a router), and the page opens in headless Chromium with no console errors, its request switch
+working (screenshots left in /tmp/accucheck-diff-*.png for people to look at).
 
 DOM checks parse the page with html.parser; the browser test drives Chromium over the DevTools
 pipe (tests/browser.py), marked `browser`, skipped only when no chromium binary is installed.
@@ -69,7 +72,8 @@ class Page(HTMLParser):
     def cell(self, td: dict) -> dict:
         from accucheck.report.html_assets import FIELDS
 
-        return dict(zip(FIELDS, self.cells[int(td["data-c"])]))
+        row = self.cells[int(td["data-c"])]  # a row ends at its last non-empty field
+        return dict(zip(FIELDS, row + [None] * (len(FIELDS) - len(row))))
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +117,31 @@ def test_planted_fault_cell_is_marked(planted):
     assert c["status"] == "introduced" and c["rel_l2"] > c["tolerance"]
     assert len(c["per_request"]) == 2 and c["records"] == "2"  # the cell holds both requests
     assert c["input_from"].endswith("[inputs]") and c["input_rel_l2"] == 0
-    assert "\u2716" in text.split(f'data-c="{td["data-c"]}"', 1)[1][:3]  # its symbol
+    assert text.split(f'data-c="{td["data-c"]}"', 1)[1].split(">", 1)[1][:1] == "\u2716"
     (first,) = p.tds("m-first")
     assert first is td
     # the cell sits in step 0's panel, in layer 2's row, in the post_attention_layernorm column
     panel = text.split('data-step="0"><h3>', 1)[1].split("</section>", 1)[0]
     head = re.findall(r"<th>([^<]*)</th>", panel.split("</thead>", 1)[0])
     row = panel.split("<tr><th>2</th>", 1)[1].split("</tr>", 1)[0]
-    assert head[1 + re.findall(r"<td[^>]*>", row).index(
-        f'<td class="{td["class"]}" data-c="{td["data-c"]}">')] == "post_attention_layernorm"
+    assert head[1 + [re.search(r'data-c="(\d+)"', t).group(1) if "data-c" in t else None
+                     for t in re.findall(r"<td[^>]*>", row)].index(td["data-c"])] \
+        == "post_attention_layernorm"
     # layers before it passed, cells after it are over tolerance
     assert all(p.cell(x)["status"] == "pass" for x in p.tds("z") + p.tds("b0"))
     assert p.tds("b7")
+
+
+def test_detail_names_the_captures_input_links(planted):
+    a, text = planted
+    p = Page(text)
+    src = {str(r.key): r.src for r in a.diff.records if r.src}
+    shown = [c for c in map(p.cell, [td for t, td in p.tags if "data-c" in td])
+             if c["key"] in src]
+    assert shown
+    for c in shown:  # what the capture stored, the producer's key without "r0.s0:"
+        assert c["links"] == "; ".join(f"in.{slot} <- {site.split(':', 1)[1]}"
+                                       for slot, site in src[c["key"]]), c
 
 
 def test_clean_pair_marks_nothing(clean):
@@ -167,6 +184,61 @@ def test_a_statistics_only_record_says_its_error_is_a_lower_bound(tmp_path):
     assert cells[k]["rel_l2"] >= 0.0099 and cells[k]["status"] != "pass"
 
 
+def test_detail_holds_both_sides_statistics_and_the_rank(tmp_path):
+    from accucheck.store import open_capture
+
+    t = base(np.random.default_rng(4))
+    k = "r0.s0:model.layers.1.mlp#0:out.0.rank1"  # tensor-parallel rank 1's copy
+    t[k] = t["r0.s0:model.layers.1.mlp#0:out.0"]
+    c = dict(t)
+    c[k] = t[k] * 1.01
+    ref, cand = write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c)
+    p = Page(to_html(analyze(ref, cand)))
+    cells = {x["key"]: x for x in map(p.cell, [td for t, td in p.tags if "data-c" in td])}
+    x = cells[k]  # the worse record of layer 1's mlp cell
+    with open_capture(ref) as R, open_capture(cand) as C:
+        for side, cap in (("ref", R), ("cand", C)):
+            st = cap.row(k).stats
+            want = [float(f"{v:.3g}") for v in (st.min, st.max, st.mean, st.std, st.absmax,
+                                                st.l2)]
+            assert x[side] == want, (side, x[side], want)
+    assert x["ref"] != x["cand"]
+    assert x["rank"].startswith("tensor-parallel rank 1:")
+    same = cells["r0.s0:model.layers.0.mlp#0:out.0"]  # identical sides: cand given as 0
+    assert same["cand"] == 0 and len(same["ref"]) == 6 and same["rank"] is None
+
+
+def test_request_switch_colours_and_marks_one_request(tmp_path):
+    rng = np.random.default_rng(6)
+    one = base(rng, steps=(0, 1), layers=4)
+    t = {**one, **{k.replace("r0.", "r1.", 1): v * 0.5 for k, v in one.items()}}
+    c = dict(t)
+    for k in ("r1.s0:model.layers.2.mlp#0:out.0", "r1.s0:model.layers.2#0:out.0"):
+        c[k] = t[k] * (1 + 1e-2 * rng.standard_normal(t[k].shape))  # request 1 only
+    a = analyze(write(tmp_path / "a.h5", t, prompts=((1, 2, 3),) * 2, gen=((4, 5),) * 2),
+                write(tmp_path / "b.h5", c, prompts=((1, 2, 3),) * 2, gen=((4, 5),) * 2))
+    assert a.culprit.module == "model.layers.2.mlp" and a.culprit.req == 1
+    text = to_html(a)
+    p = Page(text)
+    bar = dict(next(x for t, x in p.tags if x.get("id") == "reqs"))
+    assert bar["data-reqs"] == "0 1"
+    assert [x["data-req"] for t, x in p.tags if t == "button" and "data-req" in x] == \
+        ["all", "0", "1"]
+    (td,) = p.tds("m-culprit")
+    x = p.cell(td)
+    assert td["data-q"].split() == ["culprit.1", "first.1"]  # request 1's record is marked
+    assert x["req_colour"][0] in "z01234" and x["req_colour"][1] in "56789"
+    assert x["per_request"][0] < x["tolerance"] < x["per_request"][1]
+    for td in p.tds("z") + p.tds("b0"):  # passed over all requests: passed in each
+        assert set(p.cell(td)["req_colour"]) <= set("z01234")
+    # the curves: every request (the worst) and each one, the switch picks
+    svg = text.split('<svg id="curves"', 1)[1].split("</svg>", 1)[0]
+    groups = dict(re.findall(r'<g data-req="(\w+)"[^>]*>(.*?)</g>', svg))
+    assert set(groups) == {"all", "0", "1"}
+    assert groups["0"] != groups["1"] and groups["all"] == groups["1"]
+    assert '<g data-req="0" class="alt">' in svg  # hidden until picked
+
+
 def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
     rng = np.random.default_rng(5)
     t = base(rng, steps=(0, 1), layers=6)
@@ -194,8 +266,22 @@ def test_with_a_control_the_colour_is_the_excess_over_its_threshold(tmp_path):
     # the candidate's layer curve against the control's band (6 layers: 12 band corners)
     svgs = {a["id"] for t, a in p.tags if t == "svg" and "id" in a}
     assert svgs == {"curves", "control-curves"}
-    (band,) = [a for t, a in p.tags if t == "polygon"]
-    assert band["class"] == "band" and len(band["points"].split()) == 12
+    bands = control_bands(text)
+    assert set(bands) == {"all", "0", "1"}  # one band per step, and all steps' envelope
+    assert all(len(b.split()) == 12 for b in bands.values())
+    assert bands["0"] != bands["1"]  # each step its own controls' band
+
+
+def control_bands(text: str) -> dict[str, str]:
+    """step -> the points of the control band the step switch shows for it (every request)."""
+    svg = text.split('<svg id="control-curves"', 1)[1].split("</svg>", 1)[0]
+    out = {}
+    for attrs, body in re.findall(r"<g([^>]*)>(.*?)</g>", svg):
+        a = dict(re.findall(r'data-(\w+)="([^"]*)"', attrs))
+        if a.get("req", "all") == "all":
+            (pts,) = re.findall(r'<polygon class="band" points="([^"]*)"', body)
+            out[a.get("step", "all")] = pts
+    return out
 
 
 def test_moe_routing_is_shown_and_the_router_marked(moe):
@@ -210,6 +296,19 @@ def test_moe_routing_is_shown_and_the_router_marked(moe):
     routing = text.split('<pre id="routing">', 1)[1].split("</pre>", 1)[0]
     assert html.unescape(routing) == "\n".join(routing_lines(a.diff.routing, "simple"))
     assert "mlp.gate" in routing
+    # the agreement per layer as a chart: 100 % before the shifted router, less at its layer
+    svg = text.split('<svg id="routing-curves"', 1)[1].split("</svg>", 1)[0]
+    lines = re.findall(r'<g(?: data-req="all")?>(.*?)</g>', svg)[0]
+    per_layer = {}
+    for pts in re.findall(r'class="curve"[^>]*points="([^"]*)"', lines):
+        for x, y in (xy.split(",") for xy in pts.split()):
+            per_layer.setdefault(float(x), []).append(float(y))
+    xs = sorted(per_layer)  # layers 0, 1, ... left to right; y grows downwards
+    calls = [c for c in a.diff.routing.calls if c.router == GATE.format(1)]
+    assert any(c.flipped for c in calls) and not any(
+        c.flipped for c in a.diff.routing.calls if c.router == GATE.format(0))
+    assert max(per_layer[xs[0]]) == min(y for ys in per_layer.values() for y in ys)  # 100 %
+    assert max(per_layer[xs[1]]) > max(per_layer[xs[0]])
 
 
 def test_nothing_is_loaded_from_outside(planted):
@@ -221,6 +320,7 @@ def test_nothing_is_loaded_from_outside(planted):
             assert attr not in a or not re.match(r"(?i)\s*(https?:)?//", a[attr]), (t, a)
     assert not re.search(r"(?i)url\(|@import|https?://", text.split("<h2>Text report", 1)[0])
     assert 'id="curves"' in text and 'id="control-curves"' not in text  # no control run
+    assert "routing-curves" not in text and "MoE routing" not in text  # no router: no chart
     scripts = [a for t, a in p.tags if t == "script"]
     assert len(scripts) == 2 and not any("src" in a for a in scripts)
 
@@ -276,7 +376,13 @@ HOVER = """(function(){
  var vis=Array.from(document.querySelectorAll('section.panel')).filter(
    function(s){return s.offsetParent!==null;}).map(function(s){return s.dataset.step;});
  var b0=document.querySelector('#steps button[data-step="0"]'); if(b0) b0.click();
- return JSON.stringify({shown:shown, visible:vis,
+ var req={};  // the request switch: the culprit's mark in its own request only, the curves
+ ['1','0','all'].forEach(function(q){
+   var rb=document.querySelector('#reqs button[data-req="'+q+'"]'); if(!rb) return; rb.click();
+   var g=document.querySelector('#curves g[data-req="'+q+'"]');
+   req[q]={cls:td.className, text:td.textContent,
+           curve:g?getComputedStyle(g).display:null};});
+ return JSON.stringify({shown:shown, visible:vis, req:req,
    height:document.documentElement.scrollHeight});})()"""
 
 
@@ -304,6 +410,11 @@ def test_page_opens_in_headless_chromium(planted, clean, tmp_path):
                 assert f"{diffcases.NORM_FAULT}#0:out.0" in got["shown"], got
                 assert "culprit" in got["shown"] and "introduced" in got["shown"]
                 assert "per_request" in got["shown"] and "NaN" not in got["shown"]
+                assert "absmax" in got["shown"] and "refcand" in got["shown"]  # both sides
+                r = got["req"]  # the culprit is request 0's record
+                assert "m-culprit" in r["0"]["cls"] and "m-culprit" not in r["1"]["cls"], r
+                assert r["1"]["text"] == "" and r["all"]["text"] == "\u2716", r
+                assert r["1"]["curve"] == "inline" and r["0"]["curve"] == "inline", r
             assert got["visible"] == ["1"], got  # the step switch shows one panel
             height = min(int(got["height"]), 6000)
             dt.send("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": height,

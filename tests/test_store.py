@@ -203,3 +203,28 @@ def test_add_rows_writes_what_add_writes(tmp_path):
                 assert x.tolist() == y.tolist(), col
             else:
                 np.testing.assert_array_equal(x, y, err_msg=col)
+
+
+def test_content_hash_is_positional_shared_and_absent_in_old_files(tmp_path):
+    """/index/hash (schema_minor 1): equal for equal bytes, different for a permutation the
+    checksum cannot see, shared with the dataset, 0 without a tensor and in older files."""
+    from accucheck.store import SCHEMA_MINOR, content_hash
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    st = np.zeros(10)
+    with CaptureWriter(tmp_path / "a.h5", meta={}, store="full") as w:
+        w.add(_key("a"), "module", "float32", x.shape, st, 1, x)
+        w.add(_key("b"), "module", "float32", x.shape, st, 1, x[::-1].copy())
+        w.add(_key("c"), "module", "float32", x.shape, st, 1, x, share="w")
+        w.add(_key("d"), "module", "float32", x.shape, st, 1, None, share="w")
+        w.add(_key("e"), "module", "float32", x.shape, st, 1, None)
+    with open_capture(tmp_path / "a.h5") as r:
+        h = {m: r.row(_key(m)).hash for m in "abcde"}
+    assert h["a"] == h["c"] == h["d"] == content_hash(x) != 0
+    assert h["b"] != h["a"] and h["e"] == 0
+    with h5py.File(tmp_path / "a.h5", "a") as f:  # a file written before the column existed
+        assert int(f.attrs["schema_minor"]) == SCHEMA_MINOR
+        del f["index/hash"]
+        del f.attrs["schema_minor"]
+    with open_capture(tmp_path / "a.h5") as r:
+        assert all(row.hash == 0 for row in r.rows)

@@ -48,10 +48,12 @@ from accucheck.compare.control import check_control
 from accucheck.errors import EXIT_USAGE, UserError
 from accucheck.keys import RecordKey
 from accucheck.compare.metrics import (DTYPE_EPS, MetricAccumulator, TensorMetrics,
-                                       is_float_dtype, kl_div, logit_noise, top2_margin,
-                                       topk_overlap)
+                                       identical_metrics, is_float_dtype, kl_div, logit_noise,
+                                       top2_margin, topk_overlap)
 from accucheck.compare.mapping import MappedCapture, mapping_table, maybe_mapped
 from accucheck.compare.opmatch import align_captures
+from accucheck.compare.parallel import (data_bytes, measure, nbytes, progress_line,
+                                        square_sum_positive, unread_pair)
 from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
@@ -79,8 +81,15 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
                   progress: Progress | None = None,
                   allow_model_mismatch: bool = False,
                   controls: Sequence[str | os.PathLike | CaptureReader] = (),
-                  transforms: Sequence[Transform] = ()) -> DiffResult:
+                  transforms: Sequence[Transform] = (), jobs: int = 1) -> DiffResult:
     """Compare candidate against reference (and both against `golden` when given).
+
+    `jobs`: processes measuring the record pairs (compare.parallel; 1, the default here: this
+    process only; the CLI's --jobs defaults to the cores available). The result is the same,
+    bit for bit, whatever `jobs`; a small diff (under compare.parallel.MIN_PARALLEL_BYTES of
+    tensors to read) stays in this process. Records whose content hashes (/index/hash) are
+    equal on both sides are measured without reading them; `DiffResult.io` says how many bytes
+    were read of how many.
 
     `transforms`: declared transforms of one side's records before they are compared
     (compare.transforms; `--transform`); one that matches no record is a UserError.
@@ -97,6 +106,8 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     opened and closed here; open readers are used as they are. Raises UserError (exit 3) for
     unreadable / incomplete / incompatible captures.
     """
+    if not isinstance(jobs, int) or jobs < 1:
+        raise UserError.usage(f"jobs {jobs!r}: give a number of processes >= 1")
     tol = tolerances or ToleranceTable()
     opened: list[CaptureReader] = []
 
@@ -116,10 +127,10 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
         notes = [n for t in T for n in check_control(
             R, t, C, allow_model_mismatch=allow_model_mismatch)]
         result = _Differ(R, C, G, tol, steps, include, max_elems, progress,
-                         tuple(transforms)).run()
+                         tuple(transforms), jobs=jobs).run()
         result = with_mapping(result, R, C)
         return with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
-                                              None).run() for t in T], notes)
+                                              None, jobs=jobs).run() for t in T], notes)
     finally:
         for r in opened:
             r.close()
@@ -165,8 +176,13 @@ def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str]
 class _Differ:
     def __init__(self, R: CaptureReader, C: CaptureReader, G: CaptureReader | None,
                  tol: ToleranceTable, steps, include, max_elems: int, progress,
-                 transforms: tuple[Transform, ...] = ()):
+                 transforms: tuple[Transform, ...] = (), *, jobs: int = 1):
         self.R, self.C, self.G = R, C, G
+        self.jobs = jobs
+        self.bytes_read = 0  # tensor bytes read by the comparisons (all sides)
+        self.unread = 0      # pairs measured from their equal content hashes, not read
+        self.processes = 1   # processes that measured the pairs (compare.parallel)
+        self.cpu_s = 0.0     # CPU seconds spent measuring them, all processes together
         self.transforms = transforms
         self._applied: dict[str, list[int]] = {t.text: [0, 0] for t in transforms}
         self.tol = tol
@@ -301,20 +317,18 @@ class _Differ:
         logits: list[LogitsStep] = []
         skipped = 0
         stats_only = 0
-        said = -math.inf
+        work: list[tuple] = []  # (pair number, ref row, cand row, golden row, shadow row)
         for n, (ra, ca) in enumerate(pairs):
             if not comparable(ra.key, limits):
                 skipped += 1
                 continue
-            if self.progress and (n == 0 or time.monotonic() - said >= PROGRESS_EVERY_S):
-                said = time.monotonic()   # the start, then a line every 2 s of a long diff
-                self.progress(f"diff: {n}/{len(pairs)} records")
             grow = None
             if self.G is not None and ra.key.op is not None:
                 grow = gops.get(str(ra.key)) if comparable(ra.key, glimits) else None
             elif self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
                 grow = self.G.row(ra.key)
-            rd, ls = self._compare(ra, ca, grow, shadows.get(str(ra.key)))
+            work.append((n, ra, ca, grow, shadows.get(str(ra.key))))
+        for (_n, ra, ca, _g, _s), (rd, ls) in zip(work, measure(self, work, len(pairs))):
             rank_key = self._rank_keys.get((str(ra.key), str(ca.key)))
             if rank_key is not None:  # one rank's copy: reported under its own key
                 rd = replace(rd, key=rank_key, cand_key=None)
@@ -354,7 +368,30 @@ class _Differ:
                           str(self.G.path) if self.G is not None else None,
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
                           skipped, tuple(self.notes), self.tol, ops, self.compute,
-                          routing=routing)
+                          routing=routing, io=self.io())
+
+    def io(self) -> dict:
+        """Tensor bytes read against the captures' tensor data (ref + cand, + golden), the
+        processes that measured the pairs and their CPU seconds (see DiffResult.io)."""
+        sides = [x for x in (self.R, self.C, self.G) if x is not None]
+        return {"bytes_read": self.bytes_read, "bytes_data": sum(map(data_bytes, sides)),
+                "unread_identical": self.unread, "jobs": self.processes,
+                "cpu_s": self.cpu_s}
+
+    def measure_serial(self, work: Sequence[tuple], total: int
+                       ) -> list[tuple[RecordDiff, LogitsStep | None]]:
+        """`_compare` of every work item in this process, with progress lines: the first at
+        once, then one every PROGRESS_EVERY_S."""
+        out: list[tuple[RecordDiff, LogitsStep | None]] = []
+        said, start, cpu = -math.inf, time.perf_counter(), time.process_time()
+        for n, ra, ca, grow, shadow in work:
+            if self.progress and (not out or time.monotonic() - said >= PROGRESS_EVERY_S):
+                said = time.monotonic()   # the start, then a line every 2 s of a long diff
+                self.progress(progress_line(n, total, self.bytes_read,
+                                            time.perf_counter() - start))
+            out.append(self._compare(ra, ca, grow, shadow))
+        self.cpu_s += time.process_time() - cpu
+        return out
 
     def _row_tolerance(self, ra: IndexRow, ca: IndexRow) -> Tolerance:
         return self.tol.for_record(ra.key, self._tolerance_dtypes(ra.dtype, ca.dtype))
@@ -374,6 +411,7 @@ class _Differ:
                 skipped += len(rows)
                 continue
             whole = (self.C if g.sharded_is_ref else self.R).read(g.whole.key)
+            self.bytes_read += nbytes(g.whole) + sum(nbytes(r) for r in rows)
             start = 0
             for row in rows:
                 part = (self.R if g.sharded_is_ref else self.C).read(row.key)
@@ -388,7 +426,8 @@ class _Differ:
                     key=row.key, kind=row.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=tuple(a.shape), cand_shape=tuple(b.shape),
                     tolerance=tol, cand_key=None, src=_links(ra) or _links(ca),
-                    basis="tensor", metrics=acc.result()))
+                    basis="tensor", metrics=acc.result(), ref_stats=ra.stats,
+                    cand_stats=ca.stats))
         return out, skipped
 
     def _compare(self, ra: IndexRow, ca: IndexRow, grow: IndexRow | None,
@@ -397,7 +436,7 @@ class _Differ:
         base = dict(key=ra.key, kind=ra.kind, order=ra.order, ref_dtype=ra.dtype,
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
                     tolerance=tol, cand_key=ca.key if ca.key != ra.key else None,
-                    src=_links(ra) or _links(ca))
+                    src=_links(ra) or _links(ca), ref_stats=ra.stats, cand_stats=ca.stats)
         todo = [t for t in self.transforms if t.matches(ra.key)]
         if todo and ra.has_data and ca.has_data:
             return self._transformed(ra, ca, todo, tol, base), None
@@ -405,6 +444,13 @@ class _Differ:
             self._applied[t.text][1] += 1
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
+        if unread_pair(ra, ca, grow, shadow, self.transforms):
+            self.unread += 1
+            st = ra.stats
+            m = identical_metrics(ra.dtype, ca.dtype, st.numel, st.numel - st.nan - st.inf,
+                                  square_sum_positive(ra), rtol=tol.rtol, atol=tol.atol,
+                                  scale=_rms(ra))
+            return RecordDiff(basis="tensor", metrics=m, **base), None
         if not (ra.has_data and ca.has_data):
             sd = stats_delta(ra, ca)
             if ra.sample is None or ca.sample is None:
@@ -417,6 +463,7 @@ class _Differ:
         acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
                                 **_rel_scale(ra, ra.shape[-1] if is_logits else None))
         use_golden = grow is not None and grow.has_data and grow.shape == ra.shape
+        self.bytes_read += nbytes(ra) + nbytes(ca) + (nbytes(grow) if use_golden else 0)
         gsum = np.zeros(3)  # sum (ref-g)^2, sum (cand-g)^2, sum g^2
         positions: list[LogitsPosition] = []
         ra_it = self.R.iter_chunks(ra.key, self.max_elems)
@@ -455,6 +502,7 @@ class _Differ:
         """A record compared after the declared transforms of one side (compare.transforms):
         both tensors read whole, transformed, then measured like any pair."""
         arrays = {"ref": self.R.read(ra.key), "cand": self.C.read(ca.key)}
+        self.bytes_read += nbytes(ra) + nbytes(ca)
         for t in todo:
             side = self.R if t.side == "ref" else self.C
             key = ra.key if t.side == "ref" else ca.key
@@ -504,6 +552,7 @@ class _Differ:
     def _shadow(self, ra: IndexRow, sh: IndexRow) -> TensorMetrics | None:
         if sh.shape != ra.shape or not (ra.has_data and sh.has_data):
             return None
+        self.bytes_read += nbytes(ra) + nbytes(sh)
         acc = MetricAccumulator(ra.dtype, sh.dtype)
         for a, b in zip(self.R.iter_chunks(ra.key, self.max_elems),
                         self.C.iter_chunks(sh.key, self.max_elems)):

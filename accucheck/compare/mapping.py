@@ -286,7 +286,7 @@ class MappedCapture:
         stats, checksum = _stats(value)
         self._make[str(key)] = make
         return replace(like, key=key, shape=tuple(value.shape), stats=stats, checksum=checksum,
-                       data=f"mapped:{like.data}", extra="", sample=None)
+                       data=f"mapped:{like.data}", extra="", sample=None, hash=0)
 
 
 def _renamed_key(base: RecordKey) -> tuple[RecordKey, str, str]:

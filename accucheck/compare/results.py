@@ -13,6 +13,7 @@ from accucheck.compare.opmatch import OpAlignment
 from accucheck.compare.routing import JUDGED_ELSEWHERE, RoutingResult
 from accucheck.compare.tolerances import NEAR_TIE_FACTOR, Tolerance, ToleranceTable
 from accucheck.keys import RecordKey
+from accucheck.store import Stats
 
 GOLDEN_LABELS = ("cand worse", "ref worse", "both within noise")
 ESTIMATED = ("sample", "stats")  # the bases whose error is an estimate (the stats store)
@@ -69,6 +70,8 @@ class RecordDiff:
                                 # "masked" (compared on the tokens routed alike), "after-flip"
                                 # (follows a routing flip: different computations, not judged)
     rows_excluded: int = 0      # "masked" / "ids": token rows routed differently
+    ref_stats: Stats | None = field(default=None, compare=False)   # each side's index
+    cand_stats: Stats | None = field(default=None, compare=False)  # statistics (store.Stats)
 
     def __post_init__(self) -> None:
         if self.basis not in ("tensor", "sample", "stats", "shape"):
@@ -232,6 +235,10 @@ class DiffResult:
     routing: RoutingResult | None = None     # MoE routing (compare.routing); None: no router
     mapping: dict | None = None              # vLLM fused records shown as transformers'
                                              # (compare.mapping): sides and table; None: none
+    io: dict | None = field(default=None, compare=False)  # bytes_read, bytes_data (tensor
+    # bytes read against the captures' tensor data), unread_identical (pairs measured from
+    # equal content hashes), jobs (processes used), cpu_s (their CPU seconds measuring the
+    # pairs) (compare.diff); how, not what: not compared
 
     @property
     def precision_findings(self) -> tuple[RecordDiff, ...]:

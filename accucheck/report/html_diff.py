@@ -1,8 +1,9 @@
 """The diff as one self-contained HTML page (`accucheck diff --format html`): the verdict line,
 the model as a heatmap (rows: layers, columns: module kinds in execution order, one panel per
-step), each cell's metrics on hover / click, the per-layer error curves as inline SVG and the
-logits. Imports report.diff (the headline and text report, never re-derived), verdict, compare
-and keys; formats only. Offline: inline CSS and script (report.html_assets), nothing loaded.
+step), each cell's metrics on hover / click, then the charts (report.html_curves: error per layer,
+logits, MoE routing). Imports report.diff (the headline and text report, never re-derived),
+verdict, compare and keys; formats only. Offline: inline CSS and script (report.html_assets),
+nothing loaded.
 
 A cell is one (step, layer, kind) over every request, call, operator and rank: it shows its
 worst record, by error / tolerance or, with control runs, by the record's excess over its
@@ -10,21 +11,30 @@ site's threshold. Kinds: the module path below the layer ("self_attn.q_proj"; th
 itself: "block"), " in.S" for recorded inputs (o_proj's input is the attention core's output),
 " out.S" for a second output; records outside the layers (embedding, final norm, logits) get
 their own row. A marked record (culprit, first divergence, SUSPICIOUS) is the one its cell shows.
+
+The request switch recolours the heatmap from one request's records (each cell carries one
+colour character per request, `req_colour`, and its marks' requests, `data-q`) and shows that
+request's curves; the detail box then gives that request's largest rel_l2 in the cell and, in
+full, the cell's worst record over all requests (one record per cell, not per request: the
+80 x 15 x 8 x 4 page stays near 2.8 MB). The detail box holds both sides' index statistics
+(store.Stats, 3 digits), the capture's input links, the tensor-parallel rank, and dtype /
+shape where the sides differ.
 """
 from __future__ import annotations
 
-import html
 import json
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from accucheck.compare.results import DiffResult, RecordDiff
+from accucheck.compare.results import RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.keys import RecordKey, layer_kind, rank_slot, split_rank
 from accucheck.numbers import number
 from accucheck.report.diff import to_text, verdict_line
-from accucheck.report.html_assets import CSS, FIELDS, JS, TEXT_FIELDS
-from accucheck.report.routing import routing_lines
+from accucheck.report.html_assets import CSS, FIELDS, JS, STATS, TEXT_FIELDS
+from accucheck.report.html_curves import _curves, _e, _logits, _routing
+from accucheck.store import Stats
 from accucheck.verdict.locate import Analysis
 from accucheck.verdict.types import RecordLocation
 
@@ -53,8 +63,10 @@ class _Cell:
     records: int = 0
     judged: int = 0                   # records compared and judged here
     per_request: dict = field(default_factory=dict)  # request -> its largest rel_l2 here
+    req_value: dict = field(default_factory=dict)    # request -> its largest `value` here
+    reqs: set = field(default_factory=set)           # requests with a record here
     one_side: list = field(default_factory=list)  # "KEY (only in ref)" of missing records
-    marks: set = field(default_factory=set)
+    marks: dict = field(default_factory=dict)     # mark -> the requests of its records
 
 
 def column(key: RecordKey) -> tuple[int | None, str]:
@@ -79,8 +91,9 @@ def to_html(a: Analysis) -> str:
     cells, kinds, outside = _cells(a, _marks(a, cu))
     steps = sorted({c[0] for c in cells})
     layers = sorted({c[1] for c in cells if c[1] is not None})
+    reqs = sorted({q for x in cells.values() for q in x.reqs})
     blob: list[list] = []
-    panels = [_panel(cells, s, layers, kinds, outside, blob) for s in steps]
+    panels = [_panel(cells, s, layers, kinds, outside, blob, reqs) for s in steps]
     verdict = verdict_line(a)
     cls = "pass" if a.within else "fail"
     culprit = ""
@@ -89,13 +102,13 @@ def to_html(a: Analysis) -> str:
 
         culprit = "<h2>Culprit</h2><pre id=\"culprit\">" + _e(
             "\n".join(culprit_lines(cu))) + "</pre>"
-    buttons = "".join(f'<button type="button" data-step="{s}">step {s}</button>'
-                      for s in steps) + '<button type="button" data-step="all">all</button>'
     first = a.location.first_divergence
     start = str(first.step) if first is not None else (str(steps[0]) if steps else "all")
     data = json.dumps(blob, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    js = JS.replace("%FIELDS%", json.dumps(list(FIELDS))).replace(
-        "%TEXT_FIELDS%", json.dumps(list(TEXT_FIELDS)))
+    js = JS
+    for name, value in (("FIELDS", FIELDS), ("TEXT_FIELDS", TEXT_FIELDS), ("STATS", STATS),
+                        ("MARKS", [(m, sym) for m, sym, _ in MARKS])):
+        js = js.replace(f"%{name}%", json.dumps(list(value)))
     return "".join([
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>accucheck diff: {a.verdict.upper()}</title><style>{CSS}</style></head><body>",
@@ -106,7 +119,7 @@ def to_html(a: Analysis) -> str:
         f"tolerance, {len(d.missing)} on one side only</p>",
         culprit,
         "<h2>Model</h2>", _legend(a),
-        f"<div class=\"steps\" id=\"steps\" data-first=\"{start}\">{buttons}</div>",
+        _switches(steps, reqs, start),
         "<div class=\"wrap\"><div>", "".join(panels) or "<p>no records compared</p>",
         "</div><div id=\"detail\">hover a cell for its metrics; click to pin</div></div>",
         "<h2>Error per layer</h2>", _curves(a),
@@ -118,8 +131,19 @@ def to_html(a: Analysis) -> str:
         f"<script>{js}</script></body></html>\n"])
 
 
-def _e(x: object) -> str:
-    return html.escape(str(x), quote=True)
+def _switches(steps: list[int], reqs: list[int], start: str) -> str:
+    """The step switch (one panel, `start` first) and, with several requests, the request
+    switch (the heatmap's colours, marks and the curves of one request, or of all: the worst
+    over them)."""
+    out = ('<div class="steps" id="steps" data-first="' + start + '">'
+           + "".join(f'<button type="button" data-step="{s}">step {s}</button>' for s in steps)
+           + '<button type="button" data-step="all">all</button></div>')
+    if len(reqs) > 1:
+        out += ('<div class="steps" id="reqs" data-reqs="' + " ".join(map(str, reqs)) + '">'
+                + '<button type="button" data-req="all">all requests</button>'
+                + "".join(f'<button type="button" data-req="{q}">request {q}</button>'
+                          for q in reqs) + "</div>")
+    return out
 
 
 # ----------------------------------------------------------------------------- cells
@@ -139,6 +163,7 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
         x = cells.setdefault(c, _Cell())
         x.records += 1
+        x.reqs.add(r.key.req)
         if r.routing in JUDGED_ELSEWHERE or r.absorbed:
             continue  # not judged by its numbers here: shown as not compared unless others are
         x.judged += 1
@@ -153,6 +178,7 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         x.value = max(x.value, v)
         q = r.key.req
         x.per_request[q] = max(x.per_request.get(q, 0.0), r.error)
+        x.req_value[q] = max(x.req_value.get(q, -1.0), v)
         pin = str(r.key) in marked
         if x.rec is None or (pin and not x.pinned) or (v >= x.value and not x.pinned):
             x.rec, x.loc, x.noise, x.pinned = r, loc, ns, pin
@@ -160,11 +186,14 @@ def _cells(a: Analysis, marked: dict[str, set[str]]) -> tuple[dict, list[str], l
         key = RecordKey.parse(m.key)
         c = cell_of(key)
         (kinds if c[1] is not None else outside).setdefault(c[2], None)
-        cells.setdefault(c, _Cell()).one_side.append(f"{m.key} (only in {m.only_in})")
+        x = cells.setdefault(c, _Cell())
+        x.one_side.append(f"{m.key} (only in {m.only_in})")
+        x.reqs.add(key.req)
     for k, ms in marked.items():
-        c = cells.get(cell_of(RecordKey.parse(k)))
-        if c is not None:
-            c.marks.update(ms)
+        key = RecordKey.parse(k)
+        c = cells.get(cell_of(key))
+        for m in ms if c is not None else ():
+            c.marks.setdefault(m, set()).add(key.req)
     return cells, list(kinds), list(outside)
 
 
@@ -192,44 +221,113 @@ def _marks(a: Analysis, cu) -> dict[str, set[str]]:
 def _bucket(v: float) -> str:
     if v <= 0:
         return "z"
-    lv = math.log10(v)
-    return f"b{sum(lv > b for b in BUCKETS)}"
+    return f"b{bisect_left(BUCKETS, math.log10(v))}"  # how many edges lie below it
 
 
-def _n(x: float | None) -> float | str | None:
-    """A number for the JSON blob: 4 significant digits; inf / nan as strings."""
+def _n(x: float | None, digits: int = 4) -> float | str | None:
+    """A number for the JSON blob: 4 significant digits (3 for what is only shown: the detail
+    box shows 3); inf / nan as strings."""
     if x is None:
         return None
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return float(f"{x:.4g}")
+    return float(_DIGITS[digits] % x)
 
 
-def _row(x: _Cell) -> list:
-    """The cell's fields for the blob, in html_assets.FIELDS order."""
+_DIGITS = {3: "%.3g", 4: "%.4g"}
+
+
+def _stats(r: RecordDiff) -> tuple[list | None, list | int | None]:
+    """Each side's index statistics for the blob (html_assets.STATS order, 3 digits): the
+    counts only as far as one is not zero; the candidate's as 0 where it shows the same."""
+    def one(st: Stats | None) -> list | None:
+        if st is None:
+            return None
+        v = [float("%.3g" % x) if math.isfinite(x) else _n(x)
+             for x in (st.min, st.max, st.mean, st.std, st.absmax, st.l2)]
+        counts = [st.nan, st.inf, st.zero]
+        while counts and not counts[-1]:
+            counts.pop()
+        return v + counts
+    ref, cand = one(r.ref_stats), one(r.cand_stats)
+    return ref, (0 if cand is not None and cand == ref else cand)
+
+
+def _req_colour(x: _Cell, reqs: list[int]) -> str:
+    """One character per request of the page: its colour bucket here ("0".."9", "z": identical),
+    "n": recorded but not compared, "-": no record of it here."""
+    out = []
+    for q in reqs:
+        if q in x.req_value:
+            b = _bucket(x.req_value[q])
+            out.append(b[1:] or b)
+        else:
+            out.append("n" if q in x.reqs else "-")
+    return "".join(out)
+
+
+def _row(x: _Cell, reqs: list[int]) -> list:
+    """The cell's fields for the blob, in html_assets.FIELDS order, without the empty ones at
+    the end (rare fields come last: the page stays small)."""
     marks = [m for m, _, _ in MARKS if m in x.marks]
+    several = len(reqs) > 1
+    per_req = [_n(x.per_request.get(q), 3) for q in reqs] if several else None
+    colour = _req_colour(x, reqs) if several else None
+    n = f"{x.records}" + (f" (+{len(x.one_side)} one side only)" if x.one_side else "")
     if x.rec is None:
         status = "one side only" if x.one_side else "not judged here (MoE routing)"
         key = x.one_side[0] if x.one_side else ""
-        return [key, status] + [None] * 10 + [str(x.records + len(x.one_side)), [], None, marks]
+        return _trim([key, status] + [None] * 6
+                     + [str(x.records + len(x.one_side)), per_req, colour] + [None] * 8
+                     + [marks])
     r, loc, m = x.rec, x.loc, x.rec.metrics
     status = "pass" if r.within else ("shape differs" if r.basis == "shape"
                                       else loc.cause or "over")
     if r.within and not r.within_tolerance:
         status = "pass (golden referee)"
-    n = f"{x.records}" + (f" (+{len(x.one_side)} one side only)" if x.one_side else "")
-    feeds = (loc.input_from[0] + (f" (+{len(loc.input_from) - 1})" if len(loc.input_from) > 1
-                                  else "") + f" [{loc.input_basis}]") if loc.input_from else None
-    reqs = [_n(x.per_request[q]) for q in sorted(x.per_request)] if len(x.per_request) > 1 \
-        else []
+    own = f"r{r.key.req}.s{r.key.step}:"  # the producers' keys share it: left out
+    feeds = ", ".join(k.removeprefix(own) for k in loc.input_from[:1]) + (
+        f" (+{len(loc.input_from) - 1})" if len(loc.input_from) > 1 else "") + \
+        f" [{loc.input_basis}]" if loc.input_from else None
     basis = None if r.basis == "tensor" else BASES.get(r.basis, r.basis)
-    return [str(r.key), status, basis, _n(r.error), _n(m.cosine if m else None),
-            _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), *map(_n, x.noise),
-            _n(loc.input_error), feeds, n, reqs,
-            r.golden.label if r.golden is not None else None, marks]
+    return _trim([str(r.key), status, _n(r.error), _n(m.cosine if m else None),
+                  _n(m.max_abs if m else None), _n(r.tolerance.rel_l2), _n(loc.input_error),
+                  feeds, n, per_req, colour, *_stats(r), basis,
+                  *map(_n, x.noise), _control(r),
+                  r.golden.label if r.golden is not None else None, marks, *_notes(r)])
 
 
-def _td(x: _Cell | None, blob: list) -> str:
+def _control(r: RecordDiff) -> str | None:
+    if not r.control:
+        return None
+    return (f"cand {number(r.elem_error)}; controls " + ", ".join(number(c) for c in r.control)
+            + " (mean elementwise relative error)")
+
+
+def _notes(r: RecordDiff) -> list[str | None]:
+    """dtype, shape (where the sides differ), the capture's input links, the tensor-parallel
+    rank, the candidate's key (op alignment), MoE routing: FIELDS' last six."""
+    rank, own = split_rank(r.key.slot)[1], f"r{r.key.req}.s{r.key.step}:"
+    return [f"ref {r.ref_dtype}, cand {r.cand_dtype}" if r.ref_dtype != r.cand_dtype else None,
+            f"ref {list(r.ref_shape)}, cand {list(r.cand_shape)}"
+            if r.ref_shape != r.cand_shape else None,
+            "; ".join(f"in.{slot} <- {site.removeprefix(own)}" for slot, site in r.src) or None,
+            None if rank is None else
+            f"tensor-parallel rank {rank}: that rank's copy of the tensor (or its shard, "
+            "compared with its slice of the other side's) against the other side's record",
+            str(r.cand_key) if r.cand_key is not None else None,
+            None if r.routing is None else r.routing + (
+                f" ({r.rows_excluded} token rows routed differently left out)"
+                if r.rows_excluded else "")]
+
+
+def _trim(row: list) -> list:
+    while row and row[-1] in (None, [], ""):
+        row.pop()
+    return row
+
+
+def _td(x: _Cell | None, blob: list, reqs: list[int]) -> str:
     if x is None:
         return '<td class="e"></td>'
     cls = [_bucket(x.value)] if x.judged else ["nc"]
@@ -238,16 +336,18 @@ def _td(x: _Cell | None, blob: list) -> str:
         if m in x.marks:
             cls.append(f"m-{m}")
             sym = sym or s
-    blob.append(_row(x))
-    return f'<td class="{" ".join(cls)}" data-c="{len(blob) - 1}">{sym}</td>'
+    blob.append(_row(x, reqs))
+    qs = " ".join(f"{m}.{q}" for m, _, _ in MARKS for q in sorted(x.marks.get(m, ())))
+    return (f'<td class="{" ".join(cls)}" data-c="{len(blob) - 1}"'
+            + (f' data-q="{qs}"' if qs and len(reqs) > 1 else "") + f">{sym}</td>")
 
 
 def _panel(cells: dict, step: int, layers: list[int], kinds: list[str], outside: list[str],
-           blob: list) -> str:
+           blob: list, reqs: list[int]) -> str:
     """One step's heatmap: the layers' table, then the row of records outside the layers."""
     head = "".join(f"<th>{_e(k)}</th>" for k in kinds)
     rows = "".join(f"<tr><th>{ly}</th>"
-                   + "".join(_td(cells.get((step, ly, k)), blob) for k in kinds) + "</tr>"
+                   + "".join(_td(cells.get((step, ly, k)), blob, reqs) for k in kinds) + "</tr>"
                    for ly in layers)
     out = (f'<section class="panel" data-step="{step}"><h3>step {step}'
            f'{" (prefill)" if step == 0 else " (decode)"}</h3>')
@@ -256,7 +356,7 @@ def _panel(cells: dict, step: int, layers: list[int], kinds: list[str], outside:
                 f"<tbody>{rows}</tbody></table>")
     if outside:
         head = "".join(f"<th>{_e(k)}</th>" for k in outside)
-        tds = "".join(_td(cells.get((step, None, k)), blob) for k in outside)
+        tds = "".join(_td(cells.get((step, None, k)), blob, reqs) for k in outside)
         out += (f'<table class="hm outside"><thead><tr><th></th>{head}</tr></thead>'
                 f"<tbody><tr><th>outside layers</th>{tds}</tr></tbody></table>")
     return out + "</section>"
@@ -274,134 +374,3 @@ def _legend(a: Analysis) -> str:
     return (f'<p class="legend">colour: {what} (worst record of the cell, over requests, '
             f'calls and operators) {"".join(spans)}<span class="nc">not compared</span>'
             f"<br>{marks}</p>")
-
-
-# ----------------------------------------------------------------------------- curves
-
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")
-
-
-def _curves(a: Analysis) -> str:
-    """rel_l2 of each decoder layer's output (max over requests), one line per step, log
-    scale, with the layers' tolerance dashed; with control runs, a second chart: the
-    candidate's error at the layer outputs within the band of the controls' (their measure,
-    the mean elementwise relative error; max over requests and steps)."""
-    L, d = a.location, a.diff
-    pts: dict[str, dict[int, float]] = {}
-    for p in sorted(L.curve, key=lambda p: p.step):
-        s = pts.setdefault(f"step {p.step}", {})
-        s[p.layer] = max(s.get(p.layer, 0.0), p.rel_l2)
-    if not pts:
-        return "<p>no decoder-layer outputs recorded</p>"
-    curve = {str(p.key): p.layer for p in L.curve}
-    held = [(curve[str(r.key)], r) for r in d.records if str(r.key) in curve]
-    tol = max((r.tolerance.rel_l2 for _, r in held), default=0.0)
-    out = _chart("curves", pts, (tol, "tolerance") if tol > 0 else None)
-    band: dict[int, tuple[float, float]] = {}
-    cand: dict[int, float] = {}
-    for ly, r in held:
-        if r.control:
-            lo, hi = band.get(ly, (math.inf, 0.0))
-            band[ly] = (min(lo, min(r.control)), max(hi, max(r.control)))
-            cand[ly] = max(cand.get(ly, 0.0), r.elem_error)
-    if band:
-        out += ("<h3>Candidate against the control runs (mean elementwise relative error at "
-                "the layer outputs; the band: the controls')</h3>"
-                + _chart("control-curves", {"candidate": cand}, None, band))
-    return out
-
-
-def _chart(name: str, series: dict[str, dict[int, float]], hline: tuple | None,
-           band: dict[int, tuple[float, float]] | None = None) -> str:
-    """An inline SVG: x = layer, log-scale y, one polyline per series, an optional dashed
-    (value, label) line and a shaded (low, high) band per layer."""
-    vals = [v for s in series.values() for v in s.values() if 0 < v < math.inf]
-    vals += [v for b in (band or {}).values() for v in b if 0 < v < math.inf]
-    vals += [hline[0]] if hline else []
-    lo = math.floor(math.log10(min(vals))) if vals else -8
-    hi = max(math.ceil(math.log10(max(vals))) if vals else 0, lo + 1)
-    layers = sorted({ly for s in series.values() for ly in s} | set(band or {}))
-    W, H, X0, Y0 = 760, 280, 50, 20
-    pw, ph = W - X0 - 110, H - Y0 - 30
-
-    def x(ly: int) -> float:
-        return X0 + pw * (ly - layers[0]) / max(1, layers[-1] - layers[0])
-
-    def y(v: float) -> float:
-        lv = min(max(math.log10(v), lo), hi) if v > 0 else lo
-        return Y0 + ph * (hi - lv) / (hi - lo)
-    out = [f'<svg id="{name}" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img">',
-           f'<rect x="{X0}" y="{Y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
-    out += [f'<text x="{X0 - 4}" y="{y(10.0 ** e) + 3:.1f}" text-anchor="end">1e{e}</text>'
-            for e in range(lo, hi + 1)]
-    out += [f'<text x="{x(ly):.1f}" y="{Y0 + ph + 14}" text-anchor="middle">{ly}</text>'
-            for ly in layers[::max(1, len(layers) // 16)]]
-    out.append(f'<text x="{X0 + pw / 2}" y="{H - 2}" text-anchor="middle">layer</text>')
-    if band:
-        ks = sorted(band)
-        edge = [f"{x(k):.1f},{y(band[k][1]):.1f}" for k in ks] + \
-            [f"{x(k):.1f},{y(band[k][0]):.1f}" for k in reversed(ks)]
-        out.append(f'<polygon class="band" points="{" ".join(edge)}" fill="#9ecae1" '
-                   f'fill-opacity="0.5" stroke="none"/><text x="{X0 + pw + 4}" '
-                   f'y="{Y0 + 12}" fill="#3182bd">controls</text>')
-    if hline:
-        yy = y(hline[0])
-        out.append(f'<line x1="{X0}" x2="{X0 + pw}" y1="{yy:.1f}" y2="{yy:.1f}" '
-                   f'stroke="#c0392b" stroke-dasharray="4 3"/><text x="{X0 + pw + 4}" '
-                   f'y="{yy + 3:.1f}" fill="#c0392b">{_e(hline[1])}</text>')
-    for i, (label, ys) in enumerate(series.items()):
-        c = PALETTE[i % len(PALETTE)]
-        line = " ".join(f"{x(ly):.1f},{y(ys[ly]):.1f}" for ly in layers if ly in ys)
-        out.append(f'<polyline class="curve" fill="none" stroke="{c}" stroke-width="1.5" '
-                   f'points="{line}"><title>{_e(label)}</title></polyline>')
-        if i < 12:
-            out.append(f'<text x="{X0 + pw + 4}" y="{Y0 + 36 + 12 * i}" fill="{c}">'
-                       f"{_e(label)}</text>")
-    return "".join(out) + "</svg>"
-
-
-def _logits(d: DiffResult) -> str:
-    """KL and top-1 agreement per logits record, then every token flip, labelled near-tie or
-    real (the diff's label, never re-judged)."""
-    if not d.logits and not d.flips:
-        return "<p>no logits recorded</p>"
-    rows = "".join(
-        f"<tr><td>{s.key.req}</td><td>{s.key.step}</td><td>{len(s.positions)}</td>"
-        f"<td>{number(s.max_kl)}</td><td>{number(s.top1_agreement)}</td>"
-        f"<td>{_kl_bars(s)}</td></tr>" for s in d.logits)
-    out = ('<table class="t" id="logits"><tr><th>request</th><th>step</th><th>positions</th>'
-           '<th>max KL</th><th>top-1 agree</th><th>KL per position</th></tr>' + rows +
-           "</table>")
-    if not d.flips:
-        return out + "<p>token flips: none</p>"
-    items = "".join(
-        f'<li class="{"tie" if f.near_tie else "real" if f.near_tie is False else ""}">'
-        f"request {f.req} step {f.step} position {f.position}: ref {f.ref_token} vs cand "
-        f"{f.cand_token}: {_e(f.label)} (margin {number(f.margin)}, noise {number(f.noise)})</li>"
-        for f in d.flips[:50])
-    more = f"<p>... {len(d.flips) - 50} more (--format json)</p>" if len(d.flips) > 50 else ""
-    return out + f'<p>token flips:</p><ul id="flips">{items}</ul>{more}'
-
-
-def _routing(d: DiffResult) -> str:
-    """MoE routing agreement per router, as the text report says it (report.routing)."""
-    if d.routing is None:
-        return ""
-    return ('<h2>MoE routing</h2><pre id="routing">'
-            + _e("\n".join(routing_lines(d.routing, "simple"))) + "</pre>")
-
-
-def _kl_bars(s) -> str:
-    """A small bar per position: log10 KL from 1e-12 to 1, red where top-1 differs."""
-    ps = s.positions[:200]
-    if not ps:
-        return ""
-    w = 3
-    bars = []
-    for i, p in enumerate(ps):
-        h = 0.0 if p.kl <= 0 else 20 * min(1.0, max(0.0, (math.log10(p.kl) + 12) / 12))
-        bars.append(f'<rect x="{i * w}" y="{20 - h:.1f}" width="{w - 1}" height="{h:.1f}" '
-                    f'fill="{"#2c7fb8" if p.agree else "#c0392b"}"/>')
-    return (f'<svg width="{len(ps) * w}" height="20">'
-            + "".join(bars) + "</svg>")

@@ -52,14 +52,13 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from accucheck.compare.diff import Progress, diff_captures
+from accucheck.compare.diff import diff_captures
 from accucheck.compare.results import ESTIMATED, DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (DEFAULT_AMPLIFICATION, NOISE_FLOOR_FACTOR,
                                           NOISE_FLOOR_MIN_FRACTION, NOISE_FLOOR_MIN_PEERS,
-                                          NOISE_FLOOR_WINDOW, PEER_GATE, ToleranceTable)
+                                          NOISE_FLOOR_WINDOW, PEER_GATE)
 from accucheck.errors import EXIT_DIVERGENCE, EXIT_OK
 from accucheck.keys import RecordKey, is_layer_block, layer_of, peer_kind  # noqa: F401
 from accucheck.verdict.culprit import find_culprit
@@ -123,15 +122,13 @@ class Analysis:
 
 def analyze(ref: str | os.PathLike, cand: str | os.PathLike,
             golden: str | os.PathLike | None = None, *,
-            tolerances: ToleranceTable | None = None, steps: Iterable[int] | None = None,
-            include: Sequence[str] = (), amplification: float = DEFAULT_AMPLIFICATION,
-            top: int = 10, allow_incomplete: bool = False, max_elems: int = 1 << 20,
-            progress: Progress | None = None, controls: Sequence[str | os.PathLike] = ()
-            ) -> Analysis:
-    """`diff_captures` then `locate`: the one library call behind `accucheck diff`."""
-    d = diff_captures(ref, cand, golden, tolerances=tolerances, steps=steps, include=include,
-                      allow_incomplete=allow_incomplete, max_elems=max_elems, progress=progress,
-                      controls=controls)
+            amplification: float = DEFAULT_AMPLIFICATION, top: int = 10,
+            **diff_options) -> Analysis:
+    """`diff_captures` then `locate`: the one library call behind `accucheck diff`, the
+    sign-off, the demo and the matrix. `diff_options`: diff_captures' keywords (tolerances,
+    steps, include, controls, transforms, allow_incomplete, allow_model_mismatch, jobs,
+    progress, ...), passed as they are."""
+    d = diff_captures(ref, cand, golden, **diff_options)
     return Analysis(d, locate(d, amplification=amplification, top=top))
 
 
