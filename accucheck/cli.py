@@ -198,7 +198,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
 def inspect(capture_file, pattern, step, limit, fmt):
     """Show a capture: meta, environment, records with statistics. Exit 3 if incomplete."""
-    from accucheck.inspect import RecordFilter, render
+    from accucheck.report.inspect import RecordFilter, render
     from accucheck.store import open_capture
 
     with open_capture(capture_file, allow_incomplete=True) as r:

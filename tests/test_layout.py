@@ -3,7 +3,7 @@
 `if TYPE_CHECKING:`, and `importlib.import_module("name")` / `__import__("name")` with a literal.
 
 Stages, bottom to top: bottom (store, keys, errors, numbers, prompts, paths, coverage, the
-package itself) < compare < verdict < report < matrix < signoff < top (cli, demo, inspect, replay,
+package itself) < compare < verdict < report < matrix < signoff < top (cli, demo, replay,
 __main__). capture and importers are a side branch over the bottom: capture imports the bottom
 only, importers the bottom and capture; impact (swaps recorded tensors into a model run) the
 bottom and capture, and only the top layer imports it; matrix and signoff may use capture (to run engines and
@@ -21,7 +21,7 @@ PKG = ROOT / "accucheck"
 
 BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
           "accucheck.numbers", "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
-TOP = {"accucheck.cli", "accucheck.demo", "accucheck.inspect", "accucheck.replay",
+TOP = {"accucheck.cli", "accucheck.demo", "accucheck.replay",
        "accucheck.__main__"}
 PACKAGES = ("capture", "importers", "impact", "compare", "verdict", "report", "matrix", "signoff")
 # stage -> the stages its modules may import (its own included)
