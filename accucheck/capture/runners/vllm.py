@@ -89,26 +89,12 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     also turns torch's deterministic switches on in its own process). Returns `out`.
     """
     engine_kwargs = dict(engine_kwargs or {})
-    check_output_path(out, opts.force, opts.inputs())
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
-                        f"vLLM needs a local folder with config.json and weights")
-    spec = dev.parse_device(opts.device)
-    check_runner(opts, "vllm", engine_kwargs)
-    dtype = vllm_dtype(opts.dtype)
-    refuse_parallel(engine_kwargs)
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise UserError(f"--runner vllm needs vLLM, which does not import here ({e}); "
-                        f"{INSTALL_HINT}") from None
-
+    spec, dtype = _checked(model_dir, out, opts, engine_kwargs)
     hf_config, tokenizer = _load_config_tokenizer(model_dir, prompts, engine_kwargs)
-    shim = _ConfigOnly(hf_config)
     prompt_ids = tokenize_prompts(prompts, tokenizer)
-    forced = forced_tokens(opts.tokens_from, shim, prompt_ids, prompts, tokenizer,
-                            opts.max_new_tokens) if opts.tokens_from else None
+    forced = forced_tokens(opts.tokens_from, _ConfigOnly(hf_config), prompt_ids, prompts,
+                           tokenizer, opts.max_new_tokens) if opts.tokens_from else None
     if forced is not None:
         prompt_ids = [f[0] for f in forced]
     n_new = opts.max_new_tokens
@@ -140,17 +126,14 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
         check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
-            # the untapped engine first (accucheck.capture.record.graph): its tokens and logits are
-            # the run's; the tapped engine follows its tokens
+            # the untapped engine first (accucheck.capture.record.graph): its tokens and logits
+            # are the run's; the tapped engine follows its tokens
             check = ObserverCheck("selection")
             untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                       forced is not None)
-            t0 = time.monotonic()
-            tokens, untapped_workers = _untapped_run(
+            forced, untapped_workers = _untapped_run(
                 LLM, untapped, prompt_ids, params_for(forced), n_new,
                 int(hf_config.vocab_size), plugin.ENV, check)
-            check.seconds = time.monotonic() - t0
-            forced = [(ids, t) for ids, t in zip(prompt_ids, tokens)]
             dev.seed_everything(opts.seed, spec)
         kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                 forced is not None)
@@ -162,33 +145,13 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
             vf.refuse_sampler_mode(infos)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
-                         vf.vllm_environment(environment, infos), _info(infos), kwargs,
-                         merge_weight_tables({r: g.get("weights") for r, g in infos.items()},
-                                             tp))
-            meta["workers"] = vf.workers_meta(infos)
-            if opts.mode == "graph":
-                meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers,
-                                                       opts.observer_check)
+                         environment, infos, untapped_workers, kwargs, tp)
             with CaptureSession(out, meta, opts, requests=len(prompt_ids),
                                 steps=n_new + 1) as session:
                 writer = session.writer
                 with interruptible():
-                    try:
-                        t0 = time.monotonic()
-                        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                                               params_for(forced), use_tqdm=False)
-                        t1 = time.monotonic()
-                        got = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
-                        timing.update(generate_s=t1 - t0, collect_s=time.monotonic() - t1)
-                    except Exception as e:
-                        if not _engine_died(e):
-                            raise
-                        raise UserError(f"the vLLM engine stopped mid-capture: a worker process "
-                                        f"died ({type(e).__name__}; vLLM's log above says which "
-                                        f"and why); {left_behind(writer)}") from None
-                    errors = [f"rank {r}: {m}" for r, g in sorted(got.items()) for m in g["errors"]]
-                    if errors:
-                        raise RuntimeError("vLLM capture hooks failed: " + "; ".join(errors))
+                    outputs, got = _generate(llm, prompt_ids, params_for(forced), tp, spec,
+                                             writer, timing)
                     t0 = time.monotonic()
                     merged = merge_ranks({r: [plugin.Record.from_wire(w) for w in g["records"]]
                                           for r, g in got.items()}, _info(infos)["kinds"], tp)
@@ -206,6 +169,51 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         finally:
             shutdown(llm)
     return Path(out)
+
+
+def _checked(model_dir: Path, out: str | Path, opts: CaptureOptions,
+             engine_kwargs: dict) -> tuple[dev.DeviceSpec, str]:
+    """Everything checked before vLLM starts: the output, the model folder, the options
+    against the runner (capture.options), the parallel settings, vLLM itself. Returns the
+    device and vLLM's dtype name."""
+    check_output_path(out, opts.force, opts.inputs())
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json); "
+                        f"vLLM needs a local folder with config.json and weights")
+    spec = dev.parse_device(opts.device)
+    check_runner(opts, "vllm", engine_kwargs)
+    dtype = vllm_dtype(opts.dtype)
+    refuse_parallel(engine_kwargs)
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--runner vllm needs vLLM, which does not import here ({e}); "
+                        f"{INSTALL_HINT}") from None
+    return spec, dtype
+
+
+def _generate(llm, prompt_ids: list[list[int]], params: list, tp: int, spec: dev.DeviceSpec,
+              writer: CaptureWriter, timing: dict) -> tuple[list, dict[int, dict]]:
+    """Generate every request in one `llm.generate`, then collect every rank's records
+    (COLLECT). A worker that died is one line (UserError) naming what the file is left as; a
+    hook that failed in a worker is a bug (RuntimeError, the ranks' messages)."""
+    try:
+        t0 = time.monotonic()
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                               use_tqdm=False)
+        t1 = time.monotonic()
+        got = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
+        timing.update(generate_s=t1 - t0, collect_s=time.monotonic() - t1)
+    except Exception as e:
+        if not _engine_died(e):
+            raise
+        raise UserError(f"the vLLM engine stopped mid-capture: a worker process died "
+                        f"({type(e).__name__}; vLLM's log above says which and why); "
+                        f"{left_behind(writer)}") from None
+    errors = [f"rank {r}: {m}" for r, g in sorted(got.items()) for m in g["errors"]]
+    if errors:
+        raise RuntimeError("vLLM capture hooks failed: " + "; ".join(errors))
+    return outputs, got
 
 
 # -- engine set-up -------------------------------------------------------------------------
@@ -480,7 +488,20 @@ def shutdown(llm) -> None:
 
 
 def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,
-          info: dict, kwargs: dict, weights: dict) -> dict:
+          infos: dict[int, dict], untapped_workers: list | None, kwargs: dict, tp: int) -> dict:
+    """The capture's meta once the engine runs: what the front end knows, what the workers
+    report (their environment, weights, facts; in graph mode the fusion passes)."""
+    meta = _meta_of(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
+                    vf.vllm_environment(environment, infos), _info(infos), kwargs,
+                    merge_weight_tables({r: g.get("weights") for r, g in infos.items()}, tp))
+    meta["workers"] = vf.workers_meta(infos)
+    if opts.mode == "graph":
+        meta["fusion_passes"] = vf.fusion_meta(infos, untapped_workers, opts.observer_check)
+    return meta
+
+
+def _meta_of(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, environment,
+             info: dict, kwargs: dict, weights: dict) -> dict:
     modules = list(info["modules"])
     return {
         **meta_header("vllm"), "device": str(spec), "dtype": dtype, "mode": opts.mode,
@@ -515,11 +536,13 @@ def _meta(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism, en
 
 # -- writing ----------------------------------------------------------------------------------
 def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int, env: str,
-                  check: ObserverCheck) -> tuple[list[list[int]], list[dict]]:
+                  check: ObserverCheck) -> tuple[list[tuple[list[int], list[int]]], list[dict]]:
     """Graph mode's observer check: one engine without the accucheck collector (its variable
-    `env` unset while the engine loads the model), its logits per step kept in `check`; returns
-    the tokens it generated per request (the tapped engine is forced to them) and its workers'
-    answers to accucheck_collect once started (their fusion passes: vllm_facts.fusion_meta)."""
+    `env` unset while the engine loads the model), its logits per step kept in `check` (and
+    its time in `check.seconds`); returns (prompt ids, generated ids) per request, the tokens
+    the tapped engine is forced to, and its workers' answers to accucheck_collect once started
+    (their fusion passes: vllm_facts.fusion_meta)."""
+    t0 = time.monotonic()
     saved = os.environ.pop(env, None)
     try:
         llm = _engine(LLM, kwargs)
@@ -540,7 +563,8 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab)):
             check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
-    return tokens, workers
+    check.seconds = time.monotonic() - t0
+    return [(ids, t) for ids, t in zip(prompt_ids, tokens)], workers
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
