@@ -87,7 +87,6 @@ def verdict_line(a: Analysis) -> str:
 def _verdict(a: Analysis) -> str:
     d, L = a.diff, a.location
     fd = L.first_divergence
-    n = len(d.records)
     weaker = ""
     if d.basis in ("stats", "sample", "mixed"):
         weaker = (" [weaker: some records have statistics only, compared by a lower bound"
@@ -99,67 +98,92 @@ def _verdict(a: Analysis) -> str:
     if L.noise is not None:
         return _control_line(a, weaker)
     if d.within:
-        worst = max((r for r in d.records
-                     if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
-                    key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
-        w = (f"; worst rel_l2 {number(worst.error)} at {worst.key} (tolerance "
-             f"{number(worst.tolerance.rel_l2)})") if worst is not None else ""
-        ref = sum(r.refereed and not r.within_tolerance for r in d.records)
-        refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
-                    f"referee") if ref else ""
-        flip = ""
-        if d.first_flip is not None:
-            flip = (f"; near-tie token flip at request {d.first_flip.req} step "
-                    f"{d.first_flip.step}")
-        sus = ""
-        if L.suspicious:
-            s = L.suspicious[0]
-            sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
-                   f"peers, first {s.key}: amplifies its input error x{number(s.gain)}, peers "
-                   f"x{number(s.peers_median)}")
-        return f"PASS: {n} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
+        return _pass_line(a, weaker)
     if a.accumulated:
-        return (f"PASS: nothing introduces more than rounding noise: {len(d.failed)} of {n} "
-                f"records over the {d.failed[0].tolerance.source} tolerance carry error "
-                f"accumulated through the model ({L.no_culprit_reason}); largest at "
+        return (f"PASS: nothing introduces more than rounding noise: {len(d.failed)} of "
+                f"{len(d.records)} records over the {d.failed[0].tolerance.source} tolerance "
+                f"carry error accumulated through the model ({L.no_culprit_reason}); largest at "
                 f"{_where(L.worst)}: rel_l2 {number(L.worst.error)}{weaker}")
     if fd is None and L.first_over is not None:
-        fo, wo = L.first_over, L.worst
-        inp = number(fo.input_error) if fo.input_error is not None else "unknown"
-        largest = "" if wo is None or wo.key == fo.key else \
-            f"; largest at {_where(wo)}: rel_l2 {number(wo.error)}"
-        sus = ""
-        if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
-            x = L.suspicious[0]
-            sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
-                   f"of their peers, first {x.key}: amplifies its input error x{number(x.gain)}, "
-                   f"peers x{number(x.peers_median)}")
-        flip = next((f for f in d.flips if f.near_tie is not True), None)
-        if flip is not None and d.golden_path is None:
-            # no culprit: a real token flip fails it (verdict.locate.Analysis.within)
-            return (f"FAIL: generated token differs at request {flip.req} step {flip.step} "
-                    f"(ref {flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no "
-                    f"culprit named: {len(d.failed)} records over tolerance, "
-                    f"{L.no_culprit_reason}{sus}{weaker}")
-        if L.noise_like is not None:
-            n = L.noise_like
-            return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
-                    f"error, {n.key} (local rel_l2 {number(n.local)}), is at {n.reason}: rounding "
-                    f"noise of the dtype, or a defect every {n.kind} shares; no culprit "
-                    f"named{sus}{weaker}")
-        return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
-                f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {number(fo.error)}, "
-                f"input rel_l2 {inp}{largest} [tolerance {number(fo.tolerance)}]; no culprit "
+        return _no_culprit_line(a, weaker)
+    if fd is None:
+        return _no_divergence_line(a, weaker)
+    return _divergence_line(a, weaker)
+
+
+def _pass_line(a: Analysis, weaker: str) -> str:
+    """The headline of a diff within tolerance (no control run)."""
+    d, L = a.diff, a.location
+    worst = max((r for r in d.records
+                 if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
+                key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
+    w = (f"; worst rel_l2 {number(worst.error)} at {worst.key} (tolerance "
+         f"{number(worst.tolerance.rel_l2)})") if worst is not None else ""
+    ref = sum(r.refereed and not r.within_tolerance for r in d.records)
+    refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
+                f"referee") if ref else ""
+    flip = ""
+    if d.first_flip is not None:
+        flip = (f"; near-tie token flip at request {d.first_flip.req} step "
+                f"{d.first_flip.step}")
+    sus = ""
+    if L.suspicious:
+        s = L.suspicious[0]
+        sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
+               f"peers, first {s.key}: amplifies its input error x{number(s.gain)}, peers "
+               f"x{number(s.peers_median)}")
+    return f"PASS: {len(d.records)} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
+
+
+def _no_culprit_line(a: Analysis, weaker: str) -> str:
+    """Records over tolerance but none introduces the error: a real token flip, noise-like
+    error at the first record, or diffuse / inherited error."""
+    d, L = a.diff, a.location
+    fo, wo = L.first_over, L.worst
+    inp = number(fo.input_error) if fo.input_error is not None else "unknown"
+    largest = "" if wo is None or wo.key == fo.key else \
+        f"; largest at {_where(wo)}: rel_l2 {number(wo.error)}"
+    sus = ""
+    if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
+        x = L.suspicious[0]
+        sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
+               f"of their peers, first {x.key}: amplifies its input error x{number(x.gain)}, "
+               f"peers x{number(x.peers_median)}")
+    flip = next((f for f in d.flips if f.near_tie is not True), None)
+    if flip is not None and d.golden_path is None:
+        # no culprit: a real token flip fails it (verdict.locate.Analysis.within)
+        return (f"FAIL: generated token differs at request {flip.req} step {flip.step} "
+                f"(ref {flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no "
+                f"culprit named: {len(d.failed)} records over tolerance, "
+                f"{L.no_culprit_reason}{sus}{weaker}")
+    if L.noise_like is not None:
+        n = L.noise_like
+        return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
+                f"error, {n.key} (local rel_l2 {number(n.local)}), is at {n.reason}: rounding "
+                f"noise of the dtype, or a defect every {n.kind} shares; no culprit "
                 f"named{sus}{weaker}")
-    if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
-        f = next((f for f in d.flips if f.near_tie is not True), None)
-        if f is None:
-            r = d.failed[0]
-            return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {number(r.error)} "
-                    f"[tolerance {number(r.tolerance.rel_l2)}]; their producer is not recorded: "
-                    f"widen --include{weaker}")
-        return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
-                f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
+    return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
+            f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {number(fo.error)}, "
+            f"input rel_l2 {inp}{largest} [tolerance {number(fo.tolerance)}]; no culprit "
+            f"named{sus}{weaker}")
+
+
+def _no_divergence_line(a: Analysis, weaker: str) -> str:
+    """No record over tolerance: only a real token flip, or only recorded inputs ("in") differ."""
+    d = a.diff
+    f = next((f for f in d.flips if f.near_tie is not True), None)
+    if f is None:
+        r = d.failed[0]
+        return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {number(r.error)} "
+                f"[tolerance {number(r.tolerance.rel_l2)}]; their producer is not recorded: "
+                f"widen --include{weaker}")
+    return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
+            f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
+
+
+def _divergence_line(a: Analysis, weaker: str) -> str:
+    """The headline that names where the divergence starts (the first record introducing it)."""
+    d, fd = a.diff, a.location.first_divergence
     if fd.basis == "shape":
         r = d.record(fd.key)
         return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
