@@ -412,9 +412,15 @@ def to_csv(a: Analysis) -> str:
 # ----------------------------------------------------------------------------- table / md
 
 def to_text(a: Analysis, md: bool = False) -> str:
-    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
-
     fmt = "github" if md else "simple"
+    h = "### " if md else ""  # the heading mark of every section
+    out = _head_lines(a, md) + _culprit_lines(a, h) + _finding_lines(a, fmt, h)
+    out += ["", h + "Worst records", _worst_table(a, fmt)]
+    return "\n".join(out + _tail_lines(a, fmt, h)) + "\n"
+
+
+def _head_lines(a: Analysis, md: bool) -> list[str]:
+    """The verdict line, the files and counts, the notes and the first difference."""
     d, L = a.diff, a.location
     out = [("**" + verdict_line(a) + "**") if md else verdict_line(a)]
     out.append(f"ref {d.ref_path} | cand {d.cand_path}"
@@ -426,14 +432,20 @@ def to_text(a: Analysis, md: bool = False) -> str:
         out.append(f"NOTE: {n}")
     if L.first_difference is not None:
         out.append(first_difference_line(L.first_difference))
+    return out
+
+
+def _culprit_lines(a: Analysis, h: str) -> list[str]:
+    """The culprit section, or why there is none (noise-like or diffuse error); else nothing."""
+    L = a.location
     culprit = a.culprit  # module + op with evidence (accucheck.verdict.culprit)
     if culprit is not None:
         from accucheck.verdict.culprit import culprit_lines
 
-        out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
-    elif L.noise_like is not None:
+        return ["", h + "Culprit"] + culprit_lines(culprit)
+    if L.noise_like is not None:
         n, wo = L.noise_like, L.worst
-        out += ["", ("### " if md else "") + "No culprit",
+        return ["", h + "No culprit",
                 f"The first record to introduce error over tolerance, {n.key}, introduces "
                 f"{number(n.local)} (local rel_l2) and is at {n.reason}. This is what rounding "
                 f"noise at this dtype looks like in a deep model (or a defect that every "
@@ -441,21 +453,28 @@ def to_text(a: Analysis, md: bool = False) -> str:
                 f"run judges at the noise scale: `accucheck diff REF CAND --control auto`, or "
                 f"`accucheck capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck "
                 f"diff REF CAND --control ctl.h5` (docs/control.md)."]
-    elif L.diffuse:
+    if L.diffuse:
         wo = L.worst
-        out += ["", ("### " if md else "") + "No culprit",
+        return ["", h + "No culprit",
                 f"The error is diffuse / inherited: every record over tolerance is explained by "
                 f"what feeds it (x{number(L.amplification)} rule). Largest at {_where(wo)}: "
                 f"rel_l2 {number(wo.error)}, input {number(wo.input_error)}. Compare with a golden "
                 f"(float64) capture (--golden) to see whether the candidate is worse or just "
                 f"different."]
+    return []
+
+
+def _finding_lines(a: Analysis, fmt: str, h: str) -> list[str]:
+    """The control, MoE routing, suspicious and precision sections, those with something."""
+    d, L = a.diff, a.location
+    out: list[str] = []
     if L.noise is not None:
-        out += ["", ("### " if md else "") + "Control (more than noise?)"]
+        out += ["", h + "Control (more than noise?)"]
         out += control_lines(L.noise, fmt)
     if d.routing is not None:
-        out += ["", ("### " if md else "") + "MoE routing"] + routing_lines(d.routing, fmt)
+        out += ["", h + "MoE routing"] + routing_lines(d.routing, fmt)
     if L.suspicious:
-        out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
+        out += ["", h + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:
             out.append(f"SUSPICIOUS: {x.key}: rel_l2 {number(x.error)} (tolerance "
                        f"{number(x.tolerance)}), local {number(x.local)}: it amplifies what "
@@ -463,14 +482,20 @@ def to_text(a: Analysis, md: bool = False) -> str:
                        f"x{number(x.peers_median)} (median)")
     findings = d.precision_findings
     if findings:
-        out += ["", ("### " if md else "") + "Precision findings"]
+        out += ["", h + "Precision findings"]
         for r in findings[:8]:
             out.append(f"PRECISION: {r.key}: candidate {r.cand_dtype}, reference {r.ref_dtype} "
                        f"(both runs {d.compute_dtypes[0]})")
         if len(findings) > 8:
             out.append(f"... {len(findings) - 8} more (--format json)")
+    return out
+
+
+def _worst_records(a: Analysis) -> list[RecordDiff]:
+    """At most TOP_ROWS records, inputs left out: the introducing ones first (at most half,
+    most introduced first), then the rest by error relative to tolerance."""
+    d, L = a.diff, a.location
     locs = {str(x.key): x for x in L.records}
-    # worst records: introduced first, then by error relative to tolerance
     shown = []
     seen = set()
     for x in L.top:
@@ -481,8 +506,16 @@ def to_text(a: Analysis, md: bool = False) -> str:
                   key=lambda r: -(r.error / max(r.tolerance.rel_l2, 1e-300)))
     shown = sorted(shown, key=lambda r: -locs[str(r.key)].introduced)[:TOP_ROWS // 2]
     shown += rest[:TOP_ROWS - len(shown)]
+    return shown
+
+
+def _worst_table(a: Analysis, fmt: str) -> str:
+    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
+
+    d = a.diff
+    locs = {str(x.key): x for x in a.location.records}
     rows = []
-    for r in shown:
+    for r in _worst_records(a):
         loc = locs[str(r.key)]
         m = r.metrics
         row = [str(r.key), r.routing if r.routing in JUDGED_ELSEWHERE else
@@ -497,14 +530,19 @@ def to_text(a: Analysis, md: bool = False) -> str:
         rows.append(row)
     heads = ["record", "status", "rel_l2", "input", "introduced", "cosine", "max_abs", "ulp",
              "tol"] + (["golden"] if d.golden_path else [])
-    out += ["", ("### " if md else "") + "Worst records",
-            tabulate(rows, heads, tablefmt=fmt, disable_numparse=True)]
-    curve = _curve_table(L, fmt)
+    return tabulate(rows, heads, tablefmt=fmt, disable_numparse=True)
+
+
+def _tail_lines(a: Analysis, fmt: str, h: str) -> list[str]:
+    """After the worst records: the layer curve, logits, golden counts, one-sided records."""
+    d = a.diff
+    out: list[str] = []
+    curve = _curve_table(a.location, fmt)
     if curve:
-        out += ["", ("### " if md else "") + "Per-layer error (layer outputs: rel_l2 / cosine, "
+        out += ["", h + "Per-layer error (layer outputs: rel_l2 / cosine, "
                 "max over requests)", curve]
     if d.logits or d.first_flip:
-        out += ["", ("### " if md else "") + "Logits", _logits_table(d, fmt)]
+        out += ["", h + "Logits", _logits_table(d, fmt)]
     if d.golden_path:
         counts: dict[str, int] = {}
         for r in d.records:
@@ -515,7 +553,7 @@ def to_text(a: Analysis, md: bool = False) -> str:
         sample = ", ".join(m.key for m in d.missing[:3])
         out += ["", f"On one side only ({len(d.missing)}): {sample}"
                 + (" ..." if len(d.missing) > 3 else "") + "  (full list: --format json)"]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _curve_table(L, fmt: str) -> str:
