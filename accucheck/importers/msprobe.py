@@ -571,6 +571,35 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
     would need them loaded, so "stats" on a tensor dump keeps msprobe's statistics and reads no
     tensor file). Raises UserError (exit 3) for a missing, malformed or truncated dump.
     """
+    chosen, ranks, by_step = _chosen_dumps(dump, rank, steps)
+    counts = _Counts()
+    recs: list[_Rec] = []
+    for s in sorted(by_step):
+        recs += step_records(by_step[s][0], counts)
+    if len(counts.tasks) > 1:
+        raise UserError(f"{dump}: mixes msprobe tasks {sorted(counts.tasks)}: import the "
+                        f"statistics and the tensor dumps separately")
+    store = _store_mode(dump, recs, counts, store)
+    dt = Counter(r.leaf.get("dtype", "").replace("torch.", "") for r in recs
+                 if r.key.role == "out" and _floating(r.leaf.get("dtype", "")))
+    dominant = dt.most_common(1)[0][0] if dt else None
+    notes = _notes(store, len(by_step), ranks, chosen)
+    meta = {
+        **meta_header(RUNNER), "device": "unknown (msprobe dump)", "dtype": dominant,
+        "mode": "unknown (msprobe dump)", "environment": {},
+        "msprobe": _msprobe_meta(dump, counts, chosen, ranks, by_step, dt, notes),
+    }
+    out = Path(out)
+    n_written, skipped = _write_capture(out, meta, recs, counts, store, force=force,
+                                        compression=compression, progress=progress)
+    return ImportResult(out, store, n_written, tuple(sorted(by_step)), chosen, dominant,
+                        tuple(skipped.items()), tuple(notes))
+
+
+def _chosen_dumps(dump: str | os.PathLike, rank: int | str | None,
+                  steps: Sequence[int] | None) -> tuple[str, list[str], dict[int, list[DumpDir]]]:
+    """The rank imported, every rank found, and the chosen rank's dump folders by step (one
+    each: two for one step is refused, as are a rank or a step not found)."""
     dirs = find_dumps(dump)
     ranks = sorted({d.rank for d in dirs}, key=_rank_order)
     if rank is None:
@@ -596,15 +625,14 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
     if dup:
         raise UserError(f"{dump}: step {dup[0]} has {len(by_step[dup[0]])} dump.json folders "
                         f"for {chosen or 'one rank'}: point at one of them")
-    counts = _Counts()
-    recs: list[_Rec] = []
-    for s in sorted(by_step):
-        recs += step_records(by_step[s][0], counts)
-    if len(counts.tasks) > 1:
-        raise UserError(f"{dump}: mixes msprobe tasks {sorted(counts.tasks)}: import the "
-                        f"statistics and the tensor dumps separately")
-    task = next(iter(counts.tasks), None)
-    levels = counts.levels
+    return chosen, ranks, by_step
+
+
+def _store_mode(dump: str | os.PathLike, recs: list[_Rec], counts: _Counts,
+                store: str | None) -> str:
+    """`store` checked, default "full" when the dump names tensor files, else "stats".
+    Refuses a dump without forward tensors and a statistics import of checksums only; counts
+    the floating records without statistics in `counts.skipped`."""
     has_data = any(isinstance(r.leaf.get("data_name"), str) for r in recs)
     if store is None:
         store = "full" if has_data else "stats"
@@ -622,13 +650,15 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
                         f"re-dump with summary_mode statistics or md5, or task tensor")
     if bare and store == "stats":
         counts.skipped["floating records without statistics (compared by shape only)"] = bare
-    dt = Counter(r.leaf.get("dtype", "").replace("torch.", "") for r in recs
-                 if r.key.role == "out" and _floating(r.leaf.get("dtype", "")))
-    dominant = dt.most_common(1)[0][0] if dt else None
+    return store
+
+
+def _notes(store: str, n_steps: int, ranks: list[str], chosen: str) -> list[str]:
+    """What the import maps and how (meta "msprobe" "notes", ImportResult.notes)."""
     notes = [
         "requests: not mapped (msprobe dumps no token ids; a vLLM step batches every request): "
         "every record is request 0 and the capture holds no /requests",
-        f"steps: msprobe step N -> accucheck step N ({len(by_step)} imported)",
+        f"steps: msprobe step N -> accucheck step N ({n_steps} imported)",
         "op records: enclosing module from construct.json, op index counted inside each module "
         "call; msprobe's global per-API counters are not used for matching",
     ]
@@ -638,18 +668,28 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
     if len(ranks) > 1:
         notes.append(f"ranks: imported {chosen}; not imported: "
                      f"{', '.join(r for r in ranks if r != chosen)}")
-    meta = {
-        **meta_header(RUNNER), "device": "unknown (msprobe dump)", "dtype": dominant,
-        "mode": "unknown (msprobe dump)", "environment": {},
-        "msprobe": {
-            "source": str(Path(dump).resolve()), "task": task,
-            "level": sorted(levels) if len(levels) > 1 else next(iter(levels), None),
-            "rank": chosen, "ranks_found": ranks, "steps": sorted(by_step),
-            "dump_dirs": [str(by_step[s][0].path) for s in sorted(by_step)],
-            "dtypes": dict(dt), "notes": notes,
-        },
+    return notes
+
+
+def _msprobe_meta(dump: str | os.PathLike, counts: _Counts, chosen: str, ranks: list[str],
+                  by_step: dict[int, list[DumpDir]], dt: Counter, notes: list[str]) -> dict:
+    """The capture's meta "msprobe" before the write (records and skipped are added after)."""
+    task = next(iter(counts.tasks), None)
+    levels = counts.levels
+    return {
+        "source": str(Path(dump).resolve()), "task": task,
+        "level": sorted(levels) if len(levels) > 1 else next(iter(levels), None),
+        "rank": chosen, "ranks_found": ranks, "steps": sorted(by_step),
+        "dump_dirs": [str(by_step[s][0].path) for s in sorted(by_step)],
+        "dtypes": dict(dt), "notes": notes,
     }
-    out = Path(out)
+
+
+def _write_capture(out: Path, meta: dict, recs: list[_Rec], counts: _Counts, store: str, *,
+                   force: bool, compression: str | None,
+                   progress: Callable[[str], None] | None) -> tuple[int, dict[str, int]]:
+    """Write `recs` to `out` (a duplicate key is skipped and counted); the records written and
+    what was skipped, also in meta. A failed write leaves no new file behind."""
     n_written = 0
     seen: set[str] = set()
     w = CaptureWriter(out, meta=meta, store=store, force=force, compression=compression)
@@ -674,8 +714,7 @@ def import_msprobe(dump: str | os.PathLike, out: str | os.PathLike, *,
             out.unlink(missing_ok=True)
         raise
     w.close(complete=True)
-    return ImportResult(out, store, n_written, tuple(sorted(by_step)), chosen, dominant,
-                        tuple(skipped.items()), tuple(notes))
+    return n_written, skipped
 
 
 def _write(w: CaptureWriter, r: _Rec, store: str) -> None:

@@ -87,7 +87,6 @@ def verdict_line(a: Analysis) -> str:
 def _verdict(a: Analysis) -> str:
     d, L = a.diff, a.location
     fd = L.first_divergence
-    n = len(d.records)
     weaker = ""
     if d.basis in ("stats", "sample", "mixed"):
         weaker = (" [weaker: some records have statistics only, compared by a lower bound"
@@ -99,67 +98,92 @@ def _verdict(a: Analysis) -> str:
     if L.noise is not None:
         return _control_line(a, weaker)
     if d.within:
-        worst = max((r for r in d.records
-                     if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
-                    key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
-        w = (f"; worst rel_l2 {number(worst.error)} at {worst.key} (tolerance "
-             f"{number(worst.tolerance.rel_l2)})") if worst is not None else ""
-        ref = sum(r.refereed and not r.within_tolerance for r in d.records)
-        refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
-                    f"referee") if ref else ""
-        flip = ""
-        if d.first_flip is not None:
-            flip = (f"; near-tie token flip at request {d.first_flip.req} step "
-                    f"{d.first_flip.step}")
-        sus = ""
-        if L.suspicious:
-            s = L.suspicious[0]
-            sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
-                   f"peers, first {s.key}: amplifies its input error x{number(s.gain)}, peers "
-                   f"x{number(s.peers_median)}")
-        return f"PASS: {n} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
+        return _pass_line(a, weaker)
     if a.accumulated:
-        return (f"PASS: nothing introduces more than rounding noise: {len(d.failed)} of {n} "
-                f"records over the {d.failed[0].tolerance.source} tolerance carry error "
-                f"accumulated through the model ({L.no_culprit_reason}); largest at "
+        return (f"PASS: nothing introduces more than rounding noise: {len(d.failed)} of "
+                f"{len(d.records)} records over the {d.failed[0].tolerance.source} tolerance "
+                f"carry error accumulated through the model ({L.no_culprit_reason}); largest at "
                 f"{_where(L.worst)}: rel_l2 {number(L.worst.error)}{weaker}")
     if fd is None and L.first_over is not None:
-        fo, wo = L.first_over, L.worst
-        inp = number(fo.input_error) if fo.input_error is not None else "unknown"
-        largest = "" if wo is None or wo.key == fo.key else \
-            f"; largest at {_where(wo)}: rel_l2 {number(wo.error)}"
-        sus = ""
-        if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
-            x = L.suspicious[0]
-            sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
-                   f"of their peers, first {x.key}: amplifies its input error x{number(x.gain)}, "
-                   f"peers x{number(x.peers_median)}")
-        flip = next((f for f in d.flips if f.near_tie is not True), None)
-        if flip is not None and d.golden_path is None:
-            # no culprit: a real token flip fails it (verdict.locate.Analysis.within)
-            return (f"FAIL: generated token differs at request {flip.req} step {flip.step} "
-                    f"(ref {flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no "
-                    f"culprit named: {len(d.failed)} records over tolerance, "
-                    f"{L.no_culprit_reason}{sus}{weaker}")
-        if L.noise_like is not None:
-            n = L.noise_like
-            return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
-                    f"error, {n.key} (local rel_l2 {number(n.local)}), is at {n.reason}: rounding "
-                    f"noise of the dtype, or a defect every {n.kind} shares; no culprit "
-                    f"named{sus}{weaker}")
-        return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
-                f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {number(fo.error)}, "
-                f"input rel_l2 {inp}{largest} [tolerance {number(fo.tolerance)}]; no culprit "
+        return _no_culprit_line(a, weaker)
+    if fd is None:
+        return _no_divergence_line(a, weaker)
+    return _divergence_line(a, weaker)
+
+
+def _pass_line(a: Analysis, weaker: str) -> str:
+    """The headline of a diff within tolerance (no control run)."""
+    d, L = a.diff, a.location
+    worst = max((r for r in d.records
+                 if not r.absorbed and r.routing not in JUDGED_ELSEWHERE),
+                key=lambda r: r.error / max(r.tolerance.rel_l2, 1e-300), default=None)
+    w = (f"; worst rel_l2 {number(worst.error)} at {worst.key} (tolerance "
+         f"{number(worst.tolerance.rel_l2)})") if worst is not None else ""
+    ref = sum(r.refereed and not r.within_tolerance for r in d.records)
+    refereed = (f"; {ref} over tolerance judged no worse than the reference by the golden "
+                f"referee") if ref else ""
+    flip = ""
+    if d.first_flip is not None:
+        flip = (f"; near-tie token flip at request {d.first_flip.req} step "
+                f"{d.first_flip.step}")
+    sus = ""
+    if L.suspicious:
+        s = L.suspicious[0]
+        sus = (f"; SUSPICIOUS: {len(L.suspicious)} record(s) far above the noise of their "
+               f"peers, first {s.key}: amplifies its input error x{number(s.gain)}, peers "
+               f"x{number(s.peers_median)}")
+    return f"PASS: {len(d.records)} records within tolerance{w}{refereed}{flip}{sus}{weaker}"
+
+
+def _no_culprit_line(a: Analysis, weaker: str) -> str:
+    """Records over tolerance but none introduces the error: a real token flip, noise-like
+    error at the first record, or diffuse / inherited error."""
+    d, L = a.diff, a.location
+    fo, wo = L.first_over, L.worst
+    inp = number(fo.input_error) if fo.input_error is not None else "unknown"
+    largest = "" if wo is None or wo.key == fo.key else \
+        f"; largest at {_where(wo)}: rel_l2 {number(wo.error)}"
+    sus = ""
+    if L.suspicious:  # an outlier the noise floor found: the lead the tolerance missed
+        x = L.suspicious[0]
+        sus = (f"; SUSPICIOUS upstream: {len(L.suspicious)} record(s) far above the noise "
+               f"of their peers, first {x.key}: amplifies its input error x{number(x.gain)}, "
+               f"peers x{number(x.peers_median)}")
+    flip = next((f for f in d.flips if f.near_tie is not True), None)
+    if flip is not None and d.golden_path is None:
+        # no culprit: a real token flip fails it (verdict.locate.Analysis.within)
+        return (f"FAIL: generated token differs at request {flip.req} step {flip.step} "
+                f"(ref {flip.ref_token}, cand {flip.cand_token}): {_flip_why(flip)}; no "
+                f"culprit named: {len(d.failed)} records over tolerance, "
+                f"{L.no_culprit_reason}{sus}{weaker}")
+    if L.noise_like is not None:
+        n = L.noise_like
+        return (f"FAIL: {len(d.failed)} records over tolerance; the first to introduce "
+                f"error, {n.key} (local rel_l2 {number(n.local)}), is at {n.reason}: rounding "
+                f"noise of the dtype, or a defect every {n.kind} shares; no culprit "
                 f"named{sus}{weaker}")
-    if fd is None:  # only a real token flip, or only recorded inputs ("in") differ
-        f = next((f for f in d.flips if f.near_tie is not True), None)
-        if f is None:
-            r = d.failed[0]
-            return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {number(r.error)} "
-                    f"[tolerance {number(r.tolerance.rel_l2)}]; their producer is not recorded: "
-                    f"widen --include{weaker}")
-        return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
-                f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
+    return (f"FAIL: {len(d.failed)} records over tolerance, but no record introduces the "
+            f"error (diffuse / inherited): first at {_where(fo)}: rel_l2 {number(fo.error)}, "
+            f"input rel_l2 {inp}{largest} [tolerance {number(fo.tolerance)}]; no culprit "
+            f"named{sus}{weaker}")
+
+
+def _no_divergence_line(a: Analysis, weaker: str) -> str:
+    """No record over tolerance: only a real token flip, or only recorded inputs ("in") differ."""
+    d = a.diff
+    f = next((f for f in d.flips if f.near_tie is not True), None)
+    if f is None:
+        r = d.failed[0]
+        return (f"FAIL: only recorded inputs differ, first {r.key}: rel_l2 {number(r.error)} "
+                f"[tolerance {number(r.tolerance.rel_l2)}]; their producer is not recorded: "
+                f"widen --include{weaker}")
+    return (f"FAIL: generated token differs at request {f.req} step {f.step} (ref "
+            f"{f.ref_token}, cand {f.cand_token}): {_flip_why(f)}{weaker}")
+
+
+def _divergence_line(a: Analysis, weaker: str) -> str:
+    """The headline that names where the divergence starts (the first record introducing it)."""
+    d, fd = a.diff, a.location.first_divergence
     if fd.basis == "shape":
         r = d.record(fd.key)
         return (f"FAIL: divergence starts at {_where(fd)}: shape {list(r.ref_shape)} vs "
@@ -388,9 +412,15 @@ def to_csv(a: Analysis) -> str:
 # ----------------------------------------------------------------------------- table / md
 
 def to_text(a: Analysis, md: bool = False) -> str:
-    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
-
     fmt = "github" if md else "simple"
+    h = "### " if md else ""  # the heading mark of every section
+    out = _head_lines(a, md) + _culprit_lines(a, h) + _finding_lines(a, fmt, h)
+    out += ["", h + "Worst records", _worst_table(a, fmt)]
+    return "\n".join(out + _tail_lines(a, fmt, h)) + "\n"
+
+
+def _head_lines(a: Analysis, md: bool) -> list[str]:
+    """The verdict line, the files and counts, the notes and the first difference."""
     d, L = a.diff, a.location
     out = [("**" + verdict_line(a) + "**") if md else verdict_line(a)]
     out.append(f"ref {d.ref_path} | cand {d.cand_path}"
@@ -402,14 +432,20 @@ def to_text(a: Analysis, md: bool = False) -> str:
         out.append(f"NOTE: {n}")
     if L.first_difference is not None:
         out.append(first_difference_line(L.first_difference))
+    return out
+
+
+def _culprit_lines(a: Analysis, h: str) -> list[str]:
+    """The culprit section, or why there is none (noise-like or diffuse error); else nothing."""
+    L = a.location
     culprit = a.culprit  # module + op with evidence (accucheck.verdict.culprit)
     if culprit is not None:
         from accucheck.verdict.culprit import culprit_lines
 
-        out += ["", ("### Culprit" if md else "Culprit")] + culprit_lines(culprit)
-    elif L.noise_like is not None:
+        return ["", h + "Culprit"] + culprit_lines(culprit)
+    if L.noise_like is not None:
         n, wo = L.noise_like, L.worst
-        out += ["", ("### " if md else "") + "No culprit",
+        return ["", h + "No culprit",
                 f"The first record to introduce error over tolerance, {n.key}, introduces "
                 f"{number(n.local)} (local rel_l2) and is at {n.reason}. This is what rounding "
                 f"noise at this dtype looks like in a deep model (or a defect that every "
@@ -417,21 +453,28 @@ def to_text(a: Analysis, md: bool = False) -> str:
                 f"run judges at the noise scale: `accucheck diff REF CAND --control auto`, or "
                 f"`accucheck capture MODEL --control-for REF.h5 -o ctl.h5`, then `accucheck "
                 f"diff REF CAND --control ctl.h5` (docs/control.md)."]
-    elif L.diffuse:
+    if L.diffuse:
         wo = L.worst
-        out += ["", ("### " if md else "") + "No culprit",
+        return ["", h + "No culprit",
                 f"The error is diffuse / inherited: every record over tolerance is explained by "
                 f"what feeds it (x{number(L.amplification)} rule). Largest at {_where(wo)}: "
                 f"rel_l2 {number(wo.error)}, input {number(wo.input_error)}. Compare with a golden "
                 f"(float64) capture (--golden) to see whether the candidate is worse or just "
                 f"different."]
+    return []
+
+
+def _finding_lines(a: Analysis, fmt: str, h: str) -> list[str]:
+    """The control, MoE routing, suspicious and precision sections, those with something."""
+    d, L = a.diff, a.location
+    out: list[str] = []
     if L.noise is not None:
-        out += ["", ("### " if md else "") + "Control (more than noise?)"]
+        out += ["", h + "Control (more than noise?)"]
         out += control_lines(L.noise, fmt)
     if d.routing is not None:
-        out += ["", ("### " if md else "") + "MoE routing"] + routing_lines(d.routing, fmt)
+        out += ["", h + "MoE routing"] + routing_lines(d.routing, fmt)
     if L.suspicious:
-        out += ["", ("### " if md else "") + "Suspicious (noise floor)"]
+        out += ["", h + "Suspicious (noise floor)"]
         for x in L.suspicious[:8]:
             out.append(f"SUSPICIOUS: {x.key}: rel_l2 {number(x.error)} (tolerance "
                        f"{number(x.tolerance)}), local {number(x.local)}: it amplifies what "
@@ -439,14 +482,20 @@ def to_text(a: Analysis, md: bool = False) -> str:
                        f"x{number(x.peers_median)} (median)")
     findings = d.precision_findings
     if findings:
-        out += ["", ("### " if md else "") + "Precision findings"]
+        out += ["", h + "Precision findings"]
         for r in findings[:8]:
             out.append(f"PRECISION: {r.key}: candidate {r.cand_dtype}, reference {r.ref_dtype} "
                        f"(both runs {d.compute_dtypes[0]})")
         if len(findings) > 8:
             out.append(f"... {len(findings) - 8} more (--format json)")
+    return out
+
+
+def _worst_records(a: Analysis) -> list[RecordDiff]:
+    """At most TOP_ROWS records, inputs left out: the introducing ones first (at most half,
+    most introduced first), then the rest by error relative to tolerance."""
+    d, L = a.diff, a.location
     locs = {str(x.key): x for x in L.records}
-    # worst records: introduced first, then by error relative to tolerance
     shown = []
     seen = set()
     for x in L.top:
@@ -457,8 +506,16 @@ def to_text(a: Analysis, md: bool = False) -> str:
                   key=lambda r: -(r.error / max(r.tolerance.rel_l2, 1e-300)))
     shown = sorted(shown, key=lambda r: -locs[str(r.key)].introduced)[:TOP_ROWS // 2]
     shown += rest[:TOP_ROWS - len(shown)]
+    return shown
+
+
+def _worst_table(a: Analysis, fmt: str) -> str:
+    from tabulate import tabulate  # lazy: keeps `import accucheck.report.diff` light
+
+    d = a.diff
+    locs = {str(x.key): x for x in a.location.records}
     rows = []
-    for r in shown:
+    for r in _worst_records(a):
         loc = locs[str(r.key)]
         m = r.metrics
         row = [str(r.key), r.routing if r.routing in JUDGED_ELSEWHERE else
@@ -473,14 +530,19 @@ def to_text(a: Analysis, md: bool = False) -> str:
         rows.append(row)
     heads = ["record", "status", "rel_l2", "input", "introduced", "cosine", "max_abs", "ulp",
              "tol"] + (["golden"] if d.golden_path else [])
-    out += ["", ("### " if md else "") + "Worst records",
-            tabulate(rows, heads, tablefmt=fmt, disable_numparse=True)]
-    curve = _curve_table(L, fmt)
+    return tabulate(rows, heads, tablefmt=fmt, disable_numparse=True)
+
+
+def _tail_lines(a: Analysis, fmt: str, h: str) -> list[str]:
+    """After the worst records: the layer curve, logits, golden counts, one-sided records."""
+    d = a.diff
+    out: list[str] = []
+    curve = _curve_table(a.location, fmt)
     if curve:
-        out += ["", ("### " if md else "") + "Per-layer error (layer outputs: rel_l2 / cosine, "
+        out += ["", h + "Per-layer error (layer outputs: rel_l2 / cosine, "
                 "max over requests)", curve]
     if d.logits or d.first_flip:
-        out += ["", ("### " if md else "") + "Logits", _logits_table(d, fmt)]
+        out += ["", h + "Logits", _logits_table(d, fmt)]
     if d.golden_path:
         counts: dict[str, int] = {}
         for r in d.records:
@@ -491,7 +553,7 @@ def to_text(a: Analysis, md: bool = False) -> str:
         sample = ", ".join(m.key for m in d.missing[:3])
         out += ["", f"On one side only ({len(d.missing)}): {sample}"
                 + (" ..." if len(d.missing) > 3 else "") + "  (full list: --format json)"]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _curve_table(L, fmt: str) -> str:

@@ -494,6 +494,20 @@ def _html_table(head: list[str], rows: list[list[str]], row_class: list[str] | N
 
 
 def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
+    b = _html_head(r) + _html_checks(r) + _html_plots(pngs, plot_note) + _html_layers(r)
+    b += _html_tokens(r) + _html_regression(r)
+    head, rows, oks = worst_rows(r)
+    b += ["<h2>Worst records</h2>", _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    if r.analysis.diff.notes:
+        b += ["<h2>Notes</h2>", "<ul>"] + [f"<li>{_e(n)}</li>" for n in r.analysis.diff.notes] \
+            + ["</ul>"]
+    b.append(f'<p class="small">report.json (schema {SCHEMA} v{SCHEMA_VERSION}), diff.json (full'
+             f" diff); {r.seconds:.1f} s</p></body></html>")
+    return "\n".join(b) + "\n"
+
+
+def _html_head(r: SignoffResult) -> list[str]:
+    """The page head, the verdict, planted-fault warnings, the description and the runs' files."""
     s = r.scenario
     b = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
          f"<title>accucheck sign-off: {_e(s.name)} ({r.verdict.upper()})</title>",
@@ -510,8 +524,13 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
              + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
              + (("<br>control: " + _e(r.control_path)) if r.control_path else "")
              + "</p>")
+    return b
+
+
+def _html_checks(r: SignoffResult) -> list[str]:
+    """Checks, environment, first divergence and the link to diff.html."""
     head, rows = check_rows(r)
-    b += ["<h2>Checks</h2>", _html_table(head, rows, cell_class=lambda j, c: c if j == 0 else "")]
+    b = ["<h2>Checks</h2>", _html_table(head, rows, cell_class=lambda j, c: c if j == 0 else "")]
     b += ["<h2>Environment</h2>",
           '<p class="small">Rows that differ between the two runs are highlighted.</p>',
           _html_table(["", "reference", "candidate"],
@@ -521,7 +540,12 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
                                                   for x in divergence_lines(r)] + ["</ul>"]
     b.append('<p>The whole diff as a page, the model as a heatmap: '
              '<a href="diff.html">diff.html</a></p>')
-    b.append("<h2>Plots</h2>")
+    return b
+
+
+def _html_plots(pngs: dict, plot_note: str) -> list[str]:
+    """The plots, inlined as base64 PNGs in PLOTS order, or why there are none."""
+    b = ["<h2>Plots</h2>"]
     if pngs:
         b.append('<div class="plots">')
         for name, title in PLOTS:
@@ -533,6 +557,12 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
         b.append("</div>")
     else:
         b.append(f"<p>{_e(plot_note)}</p>")
+    return b
+
+
+def _html_layers(r: SignoffResult) -> list[str]:
+    """The per-layer, control, configuration-matrix and MoE-routing tables, those with rows."""
+    b: list[str] = []
     head, rows, oks = layer_rows(r)
     if rows:
         b += ["<h2>Per-layer error</h2>",
@@ -560,12 +590,17 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
               f"differs; agreement <b>{percent(r.metrics.routing_agreement)}</b>. Records after "
               f"a flip compare other experts' computations and are not judged.</p>",
               _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
+    return b
+
+
+def _html_tokens(r: SignoffResult) -> list[str]:
+    """Token and logits agreement, the token table and the generated-token flips."""
     m = r.metrics
-    b += ["<h2>Tokens and logits</h2>",
-          f"<p>token agreement: <b>{percent(m.token_agreement)}</b> of {m.tokens_compared} "
-          f"generated tokens; top-1 agreement: <b>{percent(m.top1_agreement)}</b> of "
-          f"{m.logits_positions} positions; max KL: <b>{_e(number(m.max_logits_kl))}</b>; "
-          f"flips: {m.near_tie_flips} near-tie, {m.real_flips} real</p>"]
+    b = ["<h2>Tokens and logits</h2>",
+         f"<p>token agreement: <b>{percent(m.token_agreement)}</b> of {m.tokens_compared} "
+         f"generated tokens; top-1 agreement: <b>{percent(m.top1_agreement)}</b> of "
+         f"{m.logits_positions} positions; max KL: <b>{_e(number(m.max_logits_kl))}</b>; "
+         f"flips: {m.near_tie_flips} near-tie, {m.real_flips} real</p>"]
     head, rows = token_rows(r)
     if rows:
         b.append(_html_table(head, rows))
@@ -573,7 +608,12 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     if rows:
         b += ["<p>Generated-token flips:</p>",
               _html_table(head, rows, ["" if x[-1] == "near-tie" else "bad" for x in rows])]
-    b.append("<h2>Regression against the last release</h2>")
+    return b
+
+
+def _html_regression(r: SignoffResult) -> list[str]:
+    """The comparison with the last release's sign-off, or how to give one."""
+    b = ["<h2>Regression against the last release</h2>"]
     if r.regression is None:
         b.append("<p>No previous release given (set <code>previous</code> in the scenario or "
                  "pass <code>--previous</code>).</p>")
@@ -584,11 +624,4 @@ def to_html(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
             b.append(f"<p>NOTE: {_e(r.regression.note)}</p>")
         head, rows = regression_rows(r)
         b.append(_html_table(head, rows, ["bad" if x[-1] == "worse" else "" for x in rows]))
-    head, rows, oks = worst_rows(r)
-    b += ["<h2>Worst records</h2>", _html_table(head, rows, ["" if ok else "bad" for ok in oks])]
-    if r.analysis.diff.notes:
-        b += ["<h2>Notes</h2>", "<ul>"] + [f"<li>{_e(n)}</li>" for n in r.analysis.diff.notes] \
-            + ["</ul>"]
-    b.append(f'<p class="small">report.json (schema {SCHEMA} v{SCHEMA_VERSION}), diff.json (full'
-             f" diff); {r.seconds:.1f} s</p></body></html>")
-    return "\n".join(b) + "\n"
+    return b

@@ -297,19 +297,38 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     base = base or Path.cwd()
     top = _Reader(src, data)
     top.check_known(_TOP_KEYS)
-
-    def rel(v: str | None) -> Path | None:
-        return None if v is None else (base / Path(v).expanduser()).resolve()
-
     model = top.get("model", str, TINY)
-    model = model if model in TINY_MODELS else str(rel(model))
+    model = model if model in TINY_MODELS else str(_rel(base, model))
     prompts = list(top.strings("prompts"))
     pf = top.get("prompts_file", str)
     if pf is not None:
-        prompts += _read_prompts_file(rel(pf), src)
+        prompts += _read_prompts_file(_rel(base, pf), src)
     mnt = top.count("max_new_tokens", 4)
+    runs = _runs(top, data, base, src)
+    thr = _thresholds(top.get("thresholds", dict, {}), src)
+    prev = top.get("previous", str)
+    previous = _rel(base, prev)
+    if previous is not None and not previous.is_file():
+        raise top.fail("previous", f"{previous} does not exist (a report.json of the last "
+                                   f"release's sign-off, or a capture of its candidate)")
+    name = top.get("name", str) or (path.stem if path is not None else "scenario")
+    matrix = _matrix(_Reader(src, top.get("matrix", dict), "matrix."), runs["reference"],
+                     mnt) if "matrix" in data else None
+    return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
+                    runs["reference"], runs["candidate"], runs["golden"], previous, thr,
+                    top.get("trust_remote_code", bool, False), runs["control"], matrix)
+
+
+def _rel(base: Path, v: str | None) -> Path | None:
+    """A scenario path: `~` expanded, relative to `base`, resolved (None stays None)."""
+    return None if v is None else (base / Path(v).expanduser()).resolve()
+
+
+def _runs(top: _Reader, data: dict, base: Path, src: str) -> dict[str, RunSpec | None]:
+    """Every role's RunSpec by role (None: no such run): the tables given, the run defaults
+    for a missing reference / candidate, and the default golden referee and control."""
     defaults = _run_fields(top, {})
-    runs = {}
+    runs: dict[str, RunSpec | None] = {}
     for role in ROLES:
         if role not in data:
             if role in ("golden", "control"):
@@ -317,43 +336,7 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
                 continue
             runs[role] = _make_run(role, defaults, {}, src)
             continue
-        t = top.get(role, dict)
-        r = _Reader(src, t, f"{role}.")
-        r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role in ("golden", "control")
-                                                   else set()))
-        if role in ("golden", "control") and not r.get("enabled", bool, True):
-            if set(t) != {"enabled"}:
-                raise r.fail("enabled", "= false turns the referee off: give no other key")
-            runs[role] = None
-            continue
-        extra = _run_fields(r, control_defaults(defaults, data, runs) if role == "control"
-                            else defaults)
-        cap = r.get("capture", str)
-        if cap is not None:
-            extra["capture"] = rel(cap)
-            if not extra["capture"].is_file():
-                raise r.fail("capture", f"{extra['capture']} does not exist")
-        if role == "reference" and "teacher_forcing" in t:
-            raise r.fail("teacher_forcing", "is for the candidate and golden runs (they follow "
-                                            "the reference's tokens)")
-        extra["teacher_forcing"] = r.get("teacher_forcing", bool, True)
-        if "routing_replay" in t:
-            if role == "reference":
-                raise r.fail("routing_replay", "is for the candidate, golden and control runs "
-                                               "(they follow the reference's routing)")
-            extra["routing_replay"] = r.get("routing_replay", bool, False)
-        f = r.get("fault", dict)
-        if f is not None:
-            fr = _Reader(src, f, f"{role}.fault.")
-            fr.check_known({"module", "kind"})
-            mod, kind = fr.get("module", str), fr.get("kind", str)
-            if not mod or not kind:
-                raise r.fail("fault", "needs module = \"...\" and kind = \"bf16\" (or fp16, "
-                                      "noise:REL, scale:F, act:silu_fast, act:gelu_tanh)")
-            extra["fault"] = Fault(mod, kind)
-        if "dither" in t:
-            extra["dither"] = r.count("dither")
-        runs[role] = _make_run(role, defaults, extra, src)
+        runs[role] = _role_run(role, top, data, defaults, runs, base, src)
     for role in ("reference", "golden", "control"):
         if runs[role] is not None and runs[role].fault is not None:
             raise UserError(f"{src}: {role}.fault: plant faults in the candidate, the {role} "
@@ -369,18 +352,49 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
         runs["control"] = _make_run("control", {
             **control_defaults(defaults, data, runs), "teacher_forcing": True,
             "routing_replay": runs["candidate"].routing_replay}, {}, src)
-    thr = _thresholds(top.get("thresholds", dict, {}), src)
-    prev = top.get("previous", str)
-    previous = rel(prev)
-    if previous is not None and not previous.is_file():
-        raise top.fail("previous", f"{previous} does not exist (a report.json of the last "
-                                   f"release's sign-off, or a capture of its candidate)")
-    name = top.get("name", str) or (path.stem if path is not None else "scenario")
-    matrix = _matrix(_Reader(src, top.get("matrix", dict), "matrix."), runs["reference"],
-                     mnt) if "matrix" in data else None
-    return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
-                    runs["reference"], runs["candidate"], runs["golden"], previous, thr,
-                    top.get("trust_remote_code", bool, False), runs["control"], matrix)
+    return runs
+
+
+def _role_run(role: str, top: _Reader, data: dict, defaults: dict,
+              runs: dict[str, RunSpec | None], base: Path, src: str) -> RunSpec | None:
+    """The run of the table `[role]` (None: a golden or control with `enabled = false`);
+    `runs` holds the roles read before it (a control's defaults follow them)."""
+    t = top.get(role, dict)
+    r = _Reader(src, t, f"{role}.")
+    r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role in ("golden", "control")
+                                               else set()))
+    if role in ("golden", "control") and not r.get("enabled", bool, True):
+        if set(t) != {"enabled"}:
+            raise r.fail("enabled", "= false turns the referee off: give no other key")
+        return None
+    extra = _run_fields(r, control_defaults(defaults, data, runs) if role == "control"
+                        else defaults)
+    cap = r.get("capture", str)
+    if cap is not None:
+        extra["capture"] = _rel(base, cap)
+        if not extra["capture"].is_file():
+            raise r.fail("capture", f"{extra['capture']} does not exist")
+    if role == "reference" and "teacher_forcing" in t:
+        raise r.fail("teacher_forcing", "is for the candidate and golden runs (they follow "
+                                        "the reference's tokens)")
+    extra["teacher_forcing"] = r.get("teacher_forcing", bool, True)
+    if "routing_replay" in t:
+        if role == "reference":
+            raise r.fail("routing_replay", "is for the candidate, golden and control runs "
+                                           "(they follow the reference's routing)")
+        extra["routing_replay"] = r.get("routing_replay", bool, False)
+    f = r.get("fault", dict)
+    if f is not None:
+        fr = _Reader(src, f, f"{role}.fault.")
+        fr.check_known({"module", "kind"})
+        mod, kind = fr.get("module", str), fr.get("kind", str)
+        if not mod or not kind:
+            raise r.fail("fault", "needs module = \"...\" and kind = \"bf16\" (or fp16, "
+                                  "noise:REL, scale:F, act:silu_fast, act:gelu_tanh)")
+        extra["fault"] = Fault(mod, kind)
+    if "dither" in t:
+        extra["dither"] = r.count("dither")
+    return _make_run(role, defaults, extra, src)
 
 
 def _matrix(r: _Reader, ref: RunSpec, max_new_tokens: int) -> MatrixSpec:
