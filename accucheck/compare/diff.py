@@ -262,56 +262,7 @@ class _Differ:
             j = lim.get(key.req)
             return j is None or key.step <= j
 
-        shadows: dict[str, IndexRow] = {}
-        for row in self.C.rows:
-            if row.key.role == "shadow" and row.key not in self.R:
-                shadows[str(row.key.with_role("out"))] = row
-        # op records (role in/out) pair by alignment inside each module call, never by key
-        # (accucheck.compare.opmatch): ops on one side only are "fused / absent", not missing keys
-        missing = [MissingKey(str(r.key), "ref") for r in self.R.rows
-                   if self._wanted(r.key) and r.key not in self.C and r.key.op is None]
-        missing += [MissingKey(str(r.key), "cand") for r in self.C.rows
-                    if self._wanted(r.key) and r.key not in self.R
-                    and (r.key.op is None or r.key.role == "shadow")
-                    and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
-        pairs = [(r, self.C.row(r.key)) for r in self.R.rows
-                 if self._wanted(r.key) and r.key in self.C and r.key.op is None]
-        # tensor-parallel copies (accucheck.capture.record.ranks): a rank's differing copy of a
-        # replicated tensor is compared with the other side's one copy, under its own key
-        ranked, shards = rank_pairs(self.R, self.C, self._wanted)
-        joined, unjoined = self._join_shards(shards)
-        if ranked or shards:
-            paired = {str(k) for _a, _b, k in ranked} | {
-                str(k) for g in shards for k in (*g.keys, g.whole.key)}
-            missing = [m for m in missing if m.key not in paired]
-            pairs += [(a, b) for a, b, _k in ranked]  # records are put in order below
-            self._rank_keys = {(str(a.key), str(b.key)): k for a, b, k in ranked}
-        if unjoined:
-            self.notes.append(
-                f"{unjoined} tensor-parallel shard records (meta tensor_parallel.shards) are "
-                f"not compared with the unsharded tensor of the other side: their layout is "
-                f"packed (fused q|k|v or gate|up per rank), or a side has statistics only "
-                f"(capture with --store full), or the parts do not add up to its shape")
-        self.notes += rank_notes(self.R, self.C)
-        ops, gops = None, {}
-        if any(r.key.op is not None for r in self.R.rows):
-            op_pairs, ops = align_captures(self.R, self.C, self._wanted)
-            pairs = sorted(pairs + op_pairs, key=lambda p: p[0].order)
-            if self.G is not None:
-                gops = {str(a.key): g for a, g in align_captures(self.R, self.G,
-                                                                 self._wanted)[0]}
-            if ops.one_sided:
-                n_ref = sum(o.only_in == "ref" for o in ops.one_sided)
-                self.notes.append(
-                    f"{len(ops.one_sided)} op calls on one side only ({n_ref} only in ref, "
-                    f"{len(ops.one_sided) - n_ref} only in cand): fused or absent there, not "
-                    f"errors; {ops.n_fused} fused regions compared by their final output")
-        if not pairs and not missing:
-            raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
-                            f"(check --step / --include)")
-        if not pairs:
-            raise UserError(f"{self.R.path} and {self.C.path} have no record key in common: "
-                            f"were they captured from the same model with the same --include?")
+        pairs, missing, shadows, joined, ops, gops = self._pairs()
 
         records: list[RecordDiff] = []
         logits: list[LogitsStep] = []
@@ -369,6 +320,64 @@ class _Differ:
                           tuple(records), tuple(missing), tuple(logits), first, flips, compared,
                           skipped, tuple(self.notes), self.tol, ops, self.compute,
                           routing=routing, io=self.io())
+
+    def _pairs(self) -> tuple[list, list[MissingKey], dict, list[RecordDiff], object, dict]:
+        """What is compared with what: (ref row, cand row) pairs in execution order (module
+        records by key, op records by alignment inside each module call, a rank's differing
+        copy under its own key), the keys on one side only, shadow rows by the key they
+        replay, the tensor-parallel shards joined and measured, the op alignment and the
+        golden's op rows. Adds the pairing's notes; UserError when nothing pairs."""
+        shadows: dict[str, IndexRow] = {}
+        for row in self.C.rows:
+            if row.key.role == "shadow" and row.key not in self.R:
+                shadows[str(row.key.with_role("out"))] = row
+        # op records (role in/out) pair by alignment inside each module call, never by key
+        # (accucheck.compare.opmatch): ops on one side only are "fused / absent", not missing keys
+        missing = [MissingKey(str(r.key), "ref") for r in self.R.rows
+                   if self._wanted(r.key) and r.key not in self.C and r.key.op is None]
+        missing += [MissingKey(str(r.key), "cand") for r in self.C.rows
+                    if self._wanted(r.key) and r.key not in self.R
+                    and (r.key.op is None or r.key.role == "shadow")
+                    and not (r.key.role == "shadow" and str(r.key.with_role("out")) in self.R)]
+        pairs = [(r, self.C.row(r.key)) for r in self.R.rows
+                 if self._wanted(r.key) and r.key in self.C and r.key.op is None]
+        # tensor-parallel copies (accucheck.capture.record.ranks): a rank's differing copy of a
+        # replicated tensor is compared with the other side's one copy, under its own key
+        ranked, shards = rank_pairs(self.R, self.C, self._wanted)
+        joined, unjoined = self._join_shards(shards)
+        if ranked or shards:
+            paired = {str(k) for _a, _b, k in ranked} | {
+                str(k) for g in shards for k in (*g.keys, g.whole.key)}
+            missing = [m for m in missing if m.key not in paired]
+            pairs += [(a, b) for a, b, _k in ranked]  # records are put in order below
+            self._rank_keys = {(str(a.key), str(b.key)): k for a, b, k in ranked}
+        if unjoined:
+            self.notes.append(
+                f"{unjoined} tensor-parallel shard records (meta tensor_parallel.shards) are "
+                f"not compared with the unsharded tensor of the other side: their layout is "
+                f"packed (fused q|k|v or gate|up per rank), or a side has statistics only "
+                f"(capture with --store full), or the parts do not add up to its shape")
+        self.notes += rank_notes(self.R, self.C)
+        ops, gops = None, {}
+        if any(r.key.op is not None for r in self.R.rows):
+            op_pairs, ops = align_captures(self.R, self.C, self._wanted)
+            pairs = sorted(pairs + op_pairs, key=lambda p: p[0].order)
+            if self.G is not None:
+                gops = {str(a.key): g for a, g in align_captures(self.R, self.G,
+                                                                 self._wanted)[0]}
+            if ops.one_sided:
+                n_ref = sum(o.only_in == "ref" for o in ops.one_sided)
+                self.notes.append(
+                    f"{len(ops.one_sided)} op calls on one side only ({n_ref} only in ref, "
+                    f"{len(ops.one_sided) - n_ref} only in cand): fused or absent there, not "
+                    f"errors; {ops.n_fused} fused regions compared by their final output")
+        if not pairs and not missing:
+            raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
+                            f"(check --step / --include)")
+        if not pairs:
+            raise UserError(f"{self.R.path} and {self.C.path} have no record key in common: "
+                            f"were they captured from the same model with the same --include?")
+        return pairs, missing, shadows, joined, ops, gops
 
     def io(self) -> dict:
         """Tensor bytes read against the captures' tensor data (ref + cand, + golden), the
