@@ -84,6 +84,12 @@ def test_a_token_flip_is_recovered_at_the_planted_module(real):
         for m in ("logprob", "kl"):
             assert s.recovered[m] <= s.band[m] + 0.02, (s.site, m, s.recovered, s.band)
     assert res.runs == 1 + 2 * LAYERS + 1 + 2 * 4
+    # diff --impact beside a culprit that explains little (an unrelated upstream module)
+    data = res.to_json()
+    line = impact_line(data, "model.layers.10.mlp.down_proj", "i.json")
+    assert "(its enclosing model.layers.10) recovers 0.0% of the logit gap" in line, line
+    assert "it explains little: model.layers.20" in line and "recovers 100.0%" in line, line
+    assert "explains little" not in impact_line(data, FLIP[0], "i.json")
 
 
 @pytest.mark.xfail(strict=True, reason=(
