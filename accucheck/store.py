@@ -856,6 +856,12 @@ class CaptureReader:
                                 f"index says {row.dtype}")
         return ds
 
+    def check_tensor(self, row: IndexRow) -> None:
+        """The tensor of `row` is there with the shape and dtype its index row says (UserError,
+        exit 3, otherwise), checked without reading its values: what a diff that measures a
+        pair by its content hashes (compare.parallel.unread_pair) still checks."""
+        self._tensor(row)
+
     def _get(self, ds: h5py.Dataset, sel, row: IndexRow) -> np.ndarray:
         try:
             return ds[sel]

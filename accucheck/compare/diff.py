@@ -454,6 +454,8 @@ class _Differ:
         if ra.shape != ca.shape:
             return RecordDiff(basis="shape", **base), None
         if unread_pair(ra, ca, grow, shadow, self.transforms):
+            self.R.check_tensor(ra)  # a damaged file is refused whether its values are read
+            self.C.check_tensor(ca)
             self.unread += 1
             st = ra.stats
             m = identical_metrics(ra.dtype, ca.dtype, st.numel, st.numel - st.nan - st.inf,
