@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from accucheck.coverage import coverage, coverage_line, sites_of
+from accucheck.errors import UserError
 from accucheck.capture.record.ranks import merge_ranks, rank_slot, shard_layout
 from accucheck.store import open_capture
 
@@ -27,6 +28,7 @@ class Rec:
     data: np.ndarray | None
     order: int
     rank: int
+    spilled: list | None = None
 
 
 def rec(module, rank, values, *, req=0, step=0, role="out", order=0, data=True, checksum=None):
@@ -340,7 +342,10 @@ def test_a_differing_rank_copy_is_compared_under_its_own_key(tmp_path):
 
 
 def test_disagreement_sizes_at_the_edges():
-    from accucheck.capture.record.ranks import _rel_l2
+    from accucheck.capture.record.ranks import _rel_l2 as measured
+
+    def _rel_l2(a, b):
+        return measured(a, b, a.data, b.data)["rel_l2"]
 
     z, nz = rec("o", 0, [0.0, 0.0]), rec("o", 1, [-0.0, 0.0])
     assert z.checksum != nz.checksum  # -0.0 and 0.0 differ in their bits ...
@@ -359,6 +364,37 @@ def test_disagreement_sizes_at_the_edges():
         == pytest.approx(0.1 / 0.5, rel=1e-6)
     a, b = rec("o", 0, [0.0], data=False), rec("o", 1, [0.0], data=False)
     assert _rel_l2(a, b) == 0.0
+
+
+def test_spilled_tensors_come_back_record_by_record(tmp_path):
+    """The workers' tensors on disk (record.spill): written forward by forward, across a drain
+    (the file reopened, nothing lost), read back per record, and a disagreement between ranks
+    measured from them, not from the statistics."""
+    from accucheck.capture.record.spill import Spill, SpillReader
+
+    recs = {0: [], 1: []}
+    for rank, values in ((0, [1.0, 2.0, 3.0, 4.0]), (1, [1.0, 2.0, 3.0, 4.5])):
+        spill = Spill(str(tmp_path), rank)
+        for order, (module, v) in enumerate((("emb", values[:2]), ("o", values[2:]))):
+            r = rec(module, rank, [v], order=order)
+            r.spilled, r.data = spill.put(r.data), None
+            recs[rank].append(r)
+            spill.close()  # a drain between forwards
+    reader = SpillReader(str(tmp_path))
+    np.testing.assert_array_equal(reader.data(recs[1][1]), np.float32([[3.0, 4.5]]))
+    m = merge_ranks(recs, KINDS, 2, reader.data)
+    [d] = m.disagreements
+    assert (d["module"], d["basis"]) == ("o", "tensor")
+    assert d["rel_l2"] == pytest.approx(0.5 / 5.0, rel=1e-6)
+    assert m.verified == 1  # emb: equal on both ranks
+    # without the tensors (the default load: the records' data, gone to disk) only the norms
+    [d] = merge_ranks(recs, KINDS, 2).disagreements
+    assert d["basis"] == "l2 norms"
+    # a spill file cut short is an error, never a tensor of zeros
+    with open(tmp_path / "rank1.bin", "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(UserError, match="end early"):
+        reader.data(recs[1][1])
 
 
 def test_coverage_lists_the_first_ten_missing():

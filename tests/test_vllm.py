@@ -317,6 +317,33 @@ def test_hf_against_vllm_leaf_by_leaf_within_fp32_noise(hf_on_vllm_tokens, eager
 
 
 @vllm_mark
+def test_a_chunked_prefill_equals_the_whole_one_record_by_record(tiny_dir, work, eager):
+    """issue 36: chunked prefill (max_num_batched_tokens below the prompts) is captured, not
+    refused. Each record is joined from its chunks along the tokens: the same keys, shapes and
+    execution order as the unchunked capture, the values within fp32 noise (the attention of a
+    later chunk reads the earlier chunks' keys from the KV cache), the tokens the same."""
+    from accucheck.capture.runners.vllm import capture_vllm
+    from accucheck.compare.diff import diff_captures
+
+    out = capture_vllm(tiny_dir, PROMPTS, work / "vllm_chunked.h5",
+                       CaptureOptions(store="full", max_new_tokens=N_NEW),
+                       dict(ENGINE, max_num_batched_tokens=4))
+    with open_capture(out) as c, open_capture(eager) as e:
+        chunks = c.meta["prefill_chunks"]   # the prompts longer than 4 tokens: chunked
+        longer = {str(r) for r, q in enumerate(e.requests) if len(q.prompt_ids) > 4}
+        assert longer and set(chunks) == longer, chunks
+        assert all(n >= 2 for n in chunks.values())
+        assert e.meta["prefill_chunks"] == {}
+        assert [str(r.key) for r in c.rows] == [str(r.key) for r in e.rows]
+        assert [r.shape for r in c.rows] == [r.shape for r in e.rows]
+    assert _tokens(out) == _tokens(eager)
+    worst = _worst(eager, out)
+    assert max(worst.values()) < FP32_NOISE, worst
+    d = diff_captures(eager, out)
+    assert d.within and not d.missing
+
+
+@vllm_mark
 def test_hf_against_vllm_in_the_default_stats_store_compares_leaf_by_leaf(tiny_dir, work,
                                                                          capsys):
     """issue 33: `accucheck capture MODEL` (HF) against `accucheck capture MODEL --runner vllm

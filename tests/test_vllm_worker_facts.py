@@ -13,6 +13,7 @@ import sys
 import types
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -163,7 +164,7 @@ def test_deterministic_reaches_each_worker(engine, tiny_dir, tmp_path, monkeypat
     assert meta["determinism"]["torch.use_deterministic_algorithms"] is True
 
 
-def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch):
+def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch, tmp_path):
     """On NPU, --deterministic puts HCCL / LCCL determinism and ATB's shuffled-K matmul and
     LCOC overlap off into the environment the workers inherit (a value the user set wins),
     and restores the environment after. Before: ATB's two were never set."""
@@ -175,9 +176,13 @@ def test_deterministic_sets_the_npu_variables_the_workers_start_with(monkeypatch
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HCCL_DETERMINISTIC", "strict")
     opts = CaptureOptions(device="npu", deterministic=True)
-    with _capture_env(dev.parse_device("npu"), "bfloat16", opts, PluginConfig()):
+    with _capture_env(dev.parse_device("npu"), "bfloat16", opts, PluginConfig(), 1,
+                      tmp_path / "x.h5") as spill:
         seen = {k: os.environ.get(k) for k in dev.DETERMINISTIC_ENV["npu"]}
         assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+        # the workers are told where to write their tensors: beside the output
+        assert PluginConfig.from_env().spill == spill and Path(spill).parent == tmp_path
+    assert not Path(spill).exists()  # removed with the capture
     assert seen == {"HCCL_DETERMINISTIC": "strict", "LCCL_DETERMINISTIC": "1",
                     "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "ATB_LLM_LCOC_ENABLE": "0"}
     assert "ATB_LLM_LCOC_ENABLE" not in os.environ

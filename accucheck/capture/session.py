@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from accucheck.capture.options import CaptureOptions
+from accucheck.capture.record.spill import release_freed_memory
 from accucheck.coverage import coverage, coverage_line, sites_of
 from accucheck.errors import UserError
 from accucheck.paths import check_not_input, check_output_file
@@ -62,7 +63,10 @@ class CaptureSession:
         return False
 
     def tick(self, request: int, step: int) -> None:
-        """A progress line at most every Ticker.every seconds of a long capture."""
+        """At every step boundary: the heap the last step freed goes back to the system
+        (`release_freed_memory`), and a progress line at most every Ticker.every seconds of a
+        long capture."""
+        release_freed_memory()
         self._ticker.tick(request, step, self.writer.n_records)
 
     def left_behind(self) -> str:

@@ -3,9 +3,10 @@ request the knob moved most, then accucheck's own diff of the two.
 
 vLLM: `capture_vllm` twice, each in a process of its own (matrix.vllm_worker: the baseline's
 settings, then the run's with its environment, forced to the baseline capture's tokens). Batch composition: both captures hold the request and its fillers; the
-baseline's engine runs them one at a time (max_num_seqs=1), the run's together. Prefix caching,
-async scheduling and a chunked prefill cannot be captured (a capture matches records to requests
-step by step and needs whole prefills): the row says so. HF: `capture_rows`
+baseline's engine runs them one at a time (max_num_seqs=1), the run's together. A chunked
+prefill is captured with each record joined from its chunks (capture.runners.vllm_plugin).
+Prefix caching and async scheduling cannot be captured (a capture matches records to requests
+step by step and needs every prompt token computed): the row says so. HF: `capture_rows`
 (capture.runners.batched) for the batch size, the attention kernel and the dtype; `capture_dir`
 in eager against graph
 mode for `mode`.
@@ -27,9 +28,7 @@ from accucheck.verdict.locate import analyze
 
 Progress = Callable[[str], None]
 _NOT_CAPTURED = {"enable_prefix_caching": "a module capture needs the prefix cache off",
-                 "async_scheduling": "a module capture needs synchronous scheduling",
-                 "enable_chunked_prefill": "a module capture needs whole prefills",
-                 "max_num_batched_tokens": "a module capture needs whole prefills"}
+                 "async_scheduling": "a module capture needs synchronous scheduling"}
 
 
 @dataclass(frozen=True)

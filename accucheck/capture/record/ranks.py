@@ -55,9 +55,11 @@ class Merged:
     seen: list[tuple[int, int, int, str]] = field(default_factory=list)  # (rank, req, step, site)
 
 
-def merge_ranks(by_rank: dict[int, list], kinds: dict[str, str], tp: int) -> Merged:
+def merge_ranks(by_rank: dict[int, list], kinds: dict[str, str], tp: int,
+                load=lambda rec: rec.data) -> Merged:
     """Join the ranks' records of one capture (see the module docstring). `by_rank`: the
-    records each rank returned; `kinds`: module path -> vLLM class name."""
+    records each rank returned; `kinds`: module path -> vLLM class name; `load(record)`: its
+    tensor or None (default: its `data`; vllm_plugin.SpillReader reads it from disk)."""
     out = Merged()
     groups: dict[tuple, dict[int, object]] = {}
     first: dict[tuple, tuple] = {}
@@ -88,9 +90,8 @@ def merge_ranks(by_rank: dict[int, list], kinds: dict[str, str], tp: int) -> Mer
             out.records.append((rank_slot(slot, r), copies[r]))
             out.disagreements.append({
                 "request": req, "step": step, "module": module, "call": call, "role": role,
-                "slot": slot, "ranks": [base_rank, r], "rel_l2": _rel_l2(base, copies[r]),
-                "basis": "tensor" if base.data is not None and copies[r].data is not None
-                else "l2 norms"})
+                "slot": slot, "ranks": [base_rank, r],
+                **_rel_l2(base, copies[r], load(base), load(copies[r]))})
     return out
 
 
@@ -99,21 +100,24 @@ def _same(a, b) -> bool:
             and np.array_equal(np.asarray(a.stats), np.asarray(b.stats), equal_nan=True))
 
 
-def _rel_l2(a, b) -> float | None:
-    """||b - a|| / ||a|| from the data, or | ||b|| - ||a|| | / ||a|| (a lower bound) from the
-    statistics (field 5 is the L2 norm); None for different shapes."""
+def _rel_l2(a, b, a_data, b_data) -> dict:
+    """rel_l2: ||b - a|| / ||a|| from the data (basis "tensor"), or | ||b|| - ||a|| | / ||a||
+    (a lower bound) from the statistics (field 5 is the L2 norm; basis "l2 norms"); None for
+    different shapes."""
+    tensors = a_data is not None and b_data is not None
+    out = {"rel_l2": None, "basis": "tensor" if tensors else "l2 norms"}
     if tuple(a.shape) != tuple(b.shape):
-        return None
-    if a.data is not None and b.data is not None:
-        x = _float(a.data, a.dtype)
-        y = _float(b.data, b.dtype)
+        return out
+    if tensors:
+        x = _float(a_data, a.dtype)
+        y = _float(b_data, b.dtype)
         den = float(np.sqrt(np.sum(x * x)))
         num = float(np.sqrt(np.sum((y - x) ** 2)))
     else:
         den, num = float(a.stats[5]), abs(float(b.stats[5]) - float(a.stats[5]))
     if not math.isfinite(num) or not math.isfinite(den):
-        return math.inf
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        return dict(out, rel_l2=math.inf)
+    return dict(out, rel_l2=num / den if den > 0 else (0.0 if num == 0 else math.inf))
 
 
 def _float(data: np.ndarray, dtype: str) -> np.ndarray:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator, Sequence
@@ -33,6 +35,7 @@ from accucheck.capture.session import (CaptureSession, check_output_path, interr
 from accucheck.coverage import coverage, coverage_line, skipped_throughout
 from accucheck.capture.record.graph import ObserverCheck
 from accucheck.capture.record.ranks import Merged, merge_ranks, merge_weight_tables
+from accucheck.capture.record.spill import SpillReader, release_freed_memory
 from accucheck.capture.models import config_hash, load_tokenizer
 from accucheck.errors import UserError
 from accucheck.keys import LOGITS_MODULE, RecordKey
@@ -66,9 +69,13 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     decode steps; `tokens_from` forces the reference's tokens at every step.
     engine_kwargs: passed to `vllm.LLM` (tensor_parallel_size, gpu_memory_utilization,
     max_num_seqs, block_size, compilation_config, additional_config, ...). Defaults chosen here:
-    max_model_len = longest prompt + max_new_tokens + 1, max_num_batched_tokens large enough to
-    prefill every prompt in one forward. Not changeable: full-vocab raw logits
-    (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async scheduling.
+    max_model_len = longest prompt + max_new_tokens + 1, max_num_batched_tokens the longest
+    prompt (at least 256): a forward's records, which a worker holds until the forward ends,
+    stay at about one request's. Below a prompt's length its prefill runs in chunks: each
+    record is joined from its chunks along the tokens, the record an unchunked prefill makes,
+    and meta "prefill_chunks" says which requests ran in how many. Not changeable: full-vocab
+    raw logits (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async
+    scheduling. The workers write their tensors to disk as they go (capture.record.spill).
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
     are stored per rank with an annotation (accucheck.capture.record.ranks, meta "tensor_parallel").
@@ -106,7 +113,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                               full=opts.store == "full", test_fault=planted_test_fault(),
                               deterministic=opts.deterministic)
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
-    with _capture_env(spec, dtype, opts, cfg, tp):
+    with _capture_env(spec, dtype, opts, cfg, tp, out) as spill:
         _check_platform(spec)
         seeded = dev.seed_everything(opts.seed, spec)
         determinism = dev.set_deterministic(spec) if opts.deterministic else {}
@@ -140,6 +147,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         t0 = time.monotonic()
         llm = _engine(LLM, kwargs)
         timing = {"engine_start_s": time.monotonic() - t0}
+        reader = SpillReader(spill)
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
@@ -154,12 +162,14 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                              writer, timing)
                     t0 = time.monotonic()
                     merged = merge_ranks({r: [plugin.Record.from_wire(w) for w in g["records"]]
-                                          for r, g in got.items()}, _info(infos)["kinds"], tp)
+                                          for r, g in got.items()}, _info(infos)["kinds"], tp,
+                                         reader.data)
                     cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
-                                 int(hf_config.vocab_size), sorted(got), check)
+                                 int(hf_config.vocab_size), sorted(got), reader.data, check)
                     timing["merge_write_s"] = time.monotonic() - t0
                 writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
-                                   vllm_timing={k: round(v, 3) for k, v in timing.items()})
+                                   vllm_timing={k: round(v, 3) for k, v in timing.items()},
+                                   prefill_chunks=_prefill_chunks(got))
                 if check is not None:
                     writer.update_meta(observer_effect=check.meta())
                 _report(merged, cov)
@@ -270,11 +280,15 @@ class _ConfigOnly:
 
 
 @contextmanager
-def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
-                 tp: int = 1) -> Iterator[None]:
+def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg, tp: int,
+                 out: str | Path) -> Iterator[str]:
+    """The variables the engine and its workers run with (capture_vllm's docstring), and the
+    directory the ranks write their tensors into (capture.record.spill), beside `out` and removed
+    when the block ends; yields that directory."""
     from accucheck.capture.runners.vllm_plugin import ENV
 
-    forced = {"VLLM_USE_V2_MODEL_RUNNER": "0", ENV: cfg.to_env()}
+    spill = tempfile.mkdtemp(prefix=f".{Path(out).name}.ranks-", dir=Path(out).resolve().parent)
+    forced = {"VLLM_USE_V2_MODEL_RUNNER": "0", ENV: replace(cfg, spill=spill).to_env()}
     if opts.mode == "graph":
         forced.update(VLLM_DISABLE_COMPILE_CACHE="1", VLLM_USE_AOT_COMPILE="0")
     default = {}
@@ -284,24 +298,26 @@ def _capture_env(spec: dev.DeviceSpec, dtype: str, opts: CaptureOptions, cfg,
         default.update(VLLM_BATCH_INVARIANT="1", **dev.DETERMINISTIC_ENV.get(spec.kind, {}))
     if spec.kind == "cpu" and tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         default["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
-    with dev.environment(forced, default):
-        yield
+    try:
+        with dev.environment(forced, default):
+            yield spill
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
 
 
 def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids, user: dict,
                    plugin, forcing: bool) -> dict:
     longest = max(len(p) for p in prompt_ids)
-    total = sum(len(p) for p in prompt_ids)
+    # one prompt's prefill per forward (short ones together, within 256 tokens): a worker holds
+    # one forward's records, so the default keeps that to about one request's whatever the
+    # number of prompts (every prompt in one forward grew a worker by 0.9 GB per GB captured;
+    # bench/bench_scale.py)
     kw = dict(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=opts.seed,
               max_model_len=longest + opts.max_new_tokens + 1,
-              max_num_batched_tokens=max(256, total if total <= 8192 else longest))
+              max_num_batched_tokens=max(256, longest))
     kw.update(user)
     kw.update(VLLM_FORCED_ENGINE)
     kw["enforce_eager"] = opts.mode == "eager"
-    if int(kw["max_num_batched_tokens"]) < longest:
-        raise UserError(f"max_num_batched_tokens={kw['max_num_batched_tokens']} is below the "
-                        f"longest prompt ({longest} tokens): the prefill would be chunked; "
-                        f"raise it")
     if kw.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
         raise UserError(f"worker_extension_cls={kw['worker_extension_cls']!r} cannot be used for "
                         f"a capture (accucheck collects records through its own worker "
@@ -394,6 +410,12 @@ def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
         by_rank.setdefault(rank, {"attached": False, "rank": rank, "records": [],
                                   "errors": [], "schedule": []})
     return by_rank
+
+
+def _prefill_chunks(got: dict[int, dict]) -> dict[str, int]:
+    """Request -> the chunks its prefill ran in (chunked prefill: max_num_batched_tokens below
+    the prompt), where more than one; every rank sees the same schedule, the lowest says."""
+    return dict(got[min(got)].get("prefill_chunks") or {}) if got else {}
 
 
 def _info(by_rank: dict[int, dict]) -> dict:
@@ -568,9 +590,11 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
-           n_new: int, vocab: int, ranks: list[int], check: ObserverCheck | None = None) -> dict:
-    """Write the merged records and the logits per request and step; returns the coverage
-    verdict (accucheck.coverage) of what the ranks recorded."""
+           n_new: int, vocab: int, ranks: list[int], load,
+           check: ObserverCheck | None = None) -> dict:
+    """Write the merged records (their tensors from `load(record)`, one at a time) and the
+    logits per request and step; returns the coverage verdict (accucheck.coverage) of what the
+    ranks recorded."""
     import torch
 
     from accucheck.capture.record.recorder import stats_rows
@@ -598,7 +622,7 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
         for step in range(n_new + 1):
             for slot, rec in by_step.pop((r, step), []):  # merge_ranks keeps execution order
                 writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, slot), "module",
-                           rec.dtype, rec.shape, rec.stats, rec.checksum, rec.data)
+                           rec.dtype, rec.shape, rec.stats, rec.checksum, load(rec))
             lg = logits[step]
             [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
             writer.add(RecordKey(r, step, LOGITS_MODULE, 0, "out", "0"), "logits", "float32",
@@ -606,6 +630,7 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
         writer.set_request(r, ids, tokens[:n_new],
                            prompts[r] if isinstance(prompts[r], str) else None)
         writer.flush()
+        release_freed_memory()
     if by_step:
         raise RuntimeError(f"records for steps vLLM did not report: {sorted(by_step)[:5]}")
     return coverage(merged.seen, len(prompt_ids), n_new + 1, ranks)

@@ -43,6 +43,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from accucheck.capture.device import deterministic_torch
 from accucheck.capture.record.recorder import stats_rows
 from accucheck.capture.record.selection import flatten, inputs_of, select_modules
+from accucheck.capture.record.spill import Spill, release_freed_memory
 from accucheck.capture.record.stats import to_host
 from accucheck.capture.runners.vllm_facts import fusion_facts, model_of, worker_facts
 from accucheck.capture.runners.vllm_moe import RoutingTaps, moe_routers
@@ -79,12 +80,16 @@ class PluginConfig:
     record: bool = True  # False: plant test_fault only, record nothing
     # --deterministic: torch's switches are per process, so each worker sets its own
     deterministic: bool = False
+    # a directory every rank writes its tensors into as its forwards complete (`Spill`), so
+    # that no worker holds more than one forward's tensors; None: they travel with the records
+    spill: str | None = None
 
     def to_env(self) -> str:
         return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
                            "record_inputs": self.record_inputs, "graph": self.graph,
                            "full": self.full, "test_fault": self.test_fault,
-                           "record": self.record, "deterministic": self.deterministic})
+                           "record": self.record, "deterministic": self.deterministic,
+                           "spill": self.spill})
 
     @classmethod
     def from_env(cls) -> "PluginConfig | None":
@@ -95,7 +100,7 @@ class PluginConfig:
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
                    bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")),
                    d.get("test_fault"), bool(d.get("record", True)),
-                   bool(d.get("deterministic")))
+                   bool(d.get("deterministic")), d.get("spill"))
 
 
 @dataclass
@@ -114,23 +119,25 @@ class Record:
     data: np.ndarray | None
     order: int          # execution order within the (req, step)
     rank: int = 0       # tensor-parallel rank that recorded it
+    spilled: list | None = None  # where `data` lies in its rank's spill file (record.spill)
 
     def to_wire(self) -> list:
         """Primitives and bytes only (vLLM's RPC encoder refuses anything else without pickle)."""
         data = None if self.data is None else [self.data.dtype.str, self.data.tobytes()]
         return [self.req, self.step, self.module, self.call, self.role, self.slot, self.dtype,
                 list(self.shape), np.asarray(self.stats, np.float64).tobytes(), self.checksum,
-                data, self.order, self.rank]
+                data, self.order, self.rank, self.spilled]
 
     @classmethod
     def from_wire(cls, w: list) -> "Record":
-        req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank = w
+        (req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank,
+         spilled) = w
         shape = tuple(int(x) for x in shape)
         arr = None if data is None else np.frombuffer(data[1], dtype=np.dtype(data[0])) \
             .reshape(shape)
         return cls(int(req), int(step), module, int(call), role, slot, dtype, shape,
                    np.frombuffer(stats, np.float64).copy(), int(checksum), arr, int(order),
-                   int(rank))
+                   int(rank), spilled)
 
 
 # -- plugin entry point ---------------------------------------------------------------------
@@ -253,6 +260,8 @@ class Collector:
         self.schedule: list[list[list[int]]] = []
         self._seen: dict[str, int] = {}   # vLLM request id -> tokens processed so far
         self._order: dict[tuple[int, int], int] = {}
+        self._chunks: dict[int, list] = {}  # request -> its prefill's chunks so far
+        self.prefill_chunks: dict[int, int] = {}  # request -> chunks, where it had several
         self._captured: list[tuple[str, str, int, str, torch.Tensor]] = []
         self._calls: dict[tuple[str, str], int] = {}
         self._active = [False]  # eager hooks record only inside execute_model (not profiling)
@@ -267,6 +276,7 @@ class Collector:
         self._splits = {n: parts for n in self.modules
                         if (parts := _fused_parts(by_name[n])) is not None} \
             if not cfg.full and self.tp_size == 1 else {}
+        self.spill = Spill(cfg.spill, self.rank) if cfg.spill else None  # record.spill
         self.handles: list[Any] = []
         self.buffers: list[tuple[str, str, str, torch.nn.Module, str]] = []  # graph mode
         self.skipped: dict[str, str] = {}
@@ -422,7 +432,7 @@ class Collector:
         counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in req_ids]
         if sum(counts) != total:
             raise RuntimeError(f"scheduled tokens {sum(counts)} != total {total}")
-        plan = []  # (req index, step, start, count)
+        plan = []  # (req index, step, start, count, the prefill goes on in a later forward)
         start = 0
         for rid, cnt in zip(req_ids, counts):
             state = self.runner.requests[rid]
@@ -432,17 +442,17 @@ class Collector:
             self._seen[rid] = before + cnt
             plen = 0 if state.prompt_token_ids is None else len(state.prompt_token_ids)
             if req is not None:
-                if before == 0 and cnt == plen:
+                if before + cnt <= plen:  # the prefill, or a chunk of it (chunked prefill)
                     step = 0
                 elif before >= plen and cnt == 1:
                     step = before - plen + 1
                 else:
                     raise RuntimeError(
-                        f"request {req}: {cnt} tokens scheduled after {before} (prompt {plen}); "
-                        f"chunked prefill or preemption: raise max_num_batched_tokens / memory")
-                plan.append((int(req), step, start, cnt))
+                        f"request {req}: {cnt} tokens scheduled after {before} (prompt {plen}): "
+                        f"a preempted request recomputed; give the engine more KV cache memory")
+                plan.append((int(req), step, start, cnt, before + cnt < plen))
             start += cnt
-        self.schedule.append([[r, s, c] for r, s, _, c in plan])
+        self.schedule.append([[r, s, c] for r, s, _, c, _ in plan])
         if not plan or self._fault.get("silent"):
             return
         items = []
@@ -452,10 +462,12 @@ class Collector:
                 continue
             items.append((name, role, call, slot, t))
         gates = {g for _e, g in self.routers}
-        for req, step, s0, cnt in plan:
+        for req, step, s0, cnt, more in plan:
             pieces = [(name, role, call, slot, t.unsqueeze(0))
                       for name, role, call, slot, t in _split_leaves(
                           _hf_equivalent(items, s0, cnt, gates), self._splits)]
+            if step == 0 and (more or req in self._chunks):
+                pieces = self._join_chunks(req, pieces, more)
             if not pieces:
                 continue
             full = self.cfg.full
@@ -464,17 +476,43 @@ class Collector:
                     pieces, hosts, stats_rows([t for *_, t in pieces], hosts)):
                 order = self._order.get((req, step), 0)
                 self._order[(req, step)] = order + 1
+                spilled = self.spill.put(host) if self.spill is not None and host is not None \
+                    else None
                 self.records.append(Record(req, step, name, call, role, slot,
                                            str(t.dtype).replace("torch.", ""), tuple(t.shape),
-                                           stats, checksum, host, order, self.rank))
+                                           stats, checksum, None if spilled else host, order,
+                                           self.rank, spilled))
+        if self.spill is not None:
+            release_freed_memory()
+
+    def _join_chunks(self, req: int, pieces: list, more: bool) -> list:
+        """Chunked prefill: a prompt's records come in pieces over several forwards. Each
+        chunk's pieces are kept (on the host: the device's memory is what chunking saves) until
+        the last chunk; then every record is joined along its token dimension in chunk order,
+        the record an unchunked prefill makes (tests/test_vllm.py compares the two)."""
+        kept = self._chunks.setdefault(req, [])
+        kept.append([(n, r, c, s, t.detach().to("cpu", copy=True)) for n, r, c, s, t in pieces])
+        if more:
+            return []
+        chunks = self._chunks.pop(req)
+        self.prefill_chunks[req] = len(chunks)
+        names = [p[:4] for p in chunks[0]]
+        if any([p[:4] for p in c] != names for c in chunks[1:]):
+            raise RuntimeError(f"request {req}: the chunks of its prefill recorded different "
+                               f"modules; it cannot be joined")
+        return [(*names[i], torch.cat([c[i][4] for c in chunks], dim=1))
+                for i in range(len(names))]
 
     def drain(self) -> dict:
+        if self.spill is not None:  # every tensor on disk before the front end reads them
+            self.spill.close()
         out = {"attached": True, "rank": self.rank, "tp_size": self.tp_size,
                "parallel": parallel_settings(self.runner),
                "modules": self.modules, "records": [r.to_wire() for r in self.records],
                "weights": self.weights,
                "errors": self.errors,
                "schedule": self.schedule, "skipped": self.skipped,
+               "prefill_chunks": {str(r): n for r, n in self.prefill_chunks.items()},
                "model_class": type(self.model).__name__, "kinds": self.kinds,
                "routers": [gate for _experts, gate in self.routers],
                "facts": worker_facts(self.runner),
