@@ -116,3 +116,18 @@ def test_a_batch_dependent_kernel_is_named(planted, tmp_path):
     assert "INVARIANCE BROKEN: batch_size=3 moves requests 0, 1, 2" in proc.stdout
     assert f"culprit {FAULT_MODULE}" in proc.stdout
     assert min(d["max_dlogprob"] for d in row["requests"]) > ROUNDING
+
+
+def test_a_chunked_prefill_difference_is_localised(tmp_path):
+    """issue 36: a chunked prefill is captured (each record joined from its chunks), so the
+    matrix localises a knob that chunks the prefill. Before, the row said "a module capture
+    needs whole prefills". A fault that rounds one module through bfloat16 in a step that
+    starts a prompt it does not schedule whole is named."""
+    env = {"ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 0, "chunk_bf16": FAULT_MODULE})}
+    proc, doc = matrix(tmp_path, "--knob", "max_num_batched_tokens=16", env=env)
+    [row] = doc["rows"]
+    assert row["moved"] and 0 in row["moved"], row   # the 65-token prompt: chunked
+    loc = row["localisation"]
+    assert loc["error"] is None and loc["culprit"] == FAULT_MODULE, loc
+    assert min(d["max_dlogprob"] for d in row["requests"] if d["request"] in row["moved"]) \
+        > ROUNDING

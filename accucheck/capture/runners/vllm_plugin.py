@@ -693,7 +693,9 @@ def plant_test_fault(runner, by_name: dict, fault: dict) -> None:
     [a, b) of a fused output (k of q|k|v); {"swap_kv": module} swaps a QKV weight's k and v rows;
     {"batch_bf16": module}: the module's output is rounded through bfloat16 whenever the engine
     step holds more than one sequence (a kernel whose reduction depends on the batch: the
-    batch-invariance bug the configuration matrix must name, tests/test_matrix_vllm.py)."""
+    batch-invariance bug the configuration matrix must name, tests/test_matrix_vllm.py);
+    {"chunk_bf16": module}: the same whenever the step starts a prompt it does not schedule
+    whole (a kernel that computes a chunked prefill otherwise)."""
     def on_output(target: str, change) -> None:
         by_name[target].register_forward_hook(
             lambda _m, _a, o: (change(o[0]), *o[1:]) if isinstance(o, tuple) else change(o))
@@ -723,6 +725,18 @@ def plant_test_fault(runner, by_name: dict, fault: dict) -> None:
         runner.execute_model = execute_model
         on_output(fault["batch_bf16"],
                   lambda x: x.to(torch.bfloat16).to(x.dtype) if seqs[0] > 1 else x)
+    if fault.get("chunk_bf16"):
+        chunked = [False]
+        orig_chunk = runner.execute_model
+
+        def execute_chunked(scheduler_output, *args, **kwargs):
+            counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            chunked[0] = any(counts.get(r.req_id, 0) < len(r.prompt_token_ids or ())
+                             for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
+            return orig_chunk(scheduler_output, *args, **kwargs)
+        runner.execute_model = execute_chunked
+        on_output(fault["chunk_bf16"],
+                  lambda x: x.to(torch.bfloat16).to(x.dtype) if chunked[0] else x)
 
 
 def _hf_equivalent(items, s0: int, cnt: int, routers: set[str] = frozenset()):
