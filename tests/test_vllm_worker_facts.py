@@ -302,3 +302,27 @@ def test_eager_meta_has_no_fusion_note(engine, tiny_dir, tmp_path):
     meta = _meta(_capture(tiny_dir, tmp_path / "e.h5"))
     assert "fusion_passes" not in meta
     assert meta["workers"]["0"]["fusion"]["enabled"] == []
+
+
+def test_a_full_disk_while_a_worker_writes_its_tensors_is_one_line(engine, tiny_dir, tmp_path,
+                                                                    monkeypatch):
+    """issue 36: the workers write their tensors to disk (capture.record.spill). A disk that
+    fills up there is one line, exit 3, saying what the file is left as; before the fix it was
+    a RuntimeError "vLLM capture hooks failed" with a traceback. The spill directory goes."""
+    import errno as errnos
+
+    from accucheck.capture.record.spill import Spill
+    from accucheck.store import open_capture
+
+    def full(self, data):
+        raise OSError(errnos.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Spill, "put", full)
+    out = tmp_path / "x.h5"
+    with pytest.raises(UserError, match="no room left on the disk for the workers' tensors "
+                                        r"\(rank 0: disk full: OSError: \[Errno 28\]") as e:
+        _capture(tiny_dir, out, store="full")
+    assert e.value.exit_code == 3 and "\n" not in str(e.value)
+    assert "incomplete" in str(e.value)
+    with open_capture(out, allow_incomplete=True) as c:
+        assert not c.complete
+    assert [p.name for p in tmp_path.iterdir()] == ["x.h5"]   # no spill directory left

