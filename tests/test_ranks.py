@@ -395,6 +395,9 @@ def test_spilled_tensors_come_back_record_by_record(tmp_path):
         f.truncate(8)
     with pytest.raises(UserError, match="end early"):
         reader.data(recs[1][1])
+    (tmp_path / "rank1.bin").unlink()   # gone: one line too, not a traceback
+    with pytest.raises(UserError, match="rank 1's tensors on disk cannot be read"):
+        reader.data(recs[1][1])
 
 
 def test_coverage_lists_the_first_ten_missing():

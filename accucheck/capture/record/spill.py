@@ -63,9 +63,13 @@ class SpillReader:
         at, dtype = rec.spilled
         dt = np.dtype(dtype)
         n = int(np.prod(rec.shape, dtype=np.int64))
-        with open(_path(self.directory, rec.rank), "rb") as f:
-            f.seek(int(at))
-            buf = f.read(n * dt.itemsize)
+        try:
+            with open(_path(self.directory, rec.rank), "rb") as f:
+                f.seek(int(at))
+                buf = f.read(n * dt.itemsize)
+        except OSError as e:
+            raise UserError(f"rank {rec.rank}'s tensors on disk cannot be read "
+                            f"({e.strerror or e}: {_path(self.directory, rec.rank)})") from None
         if len(buf) != n * dt.itemsize:
             raise UserError(f"rank {rec.rank}'s tensors on disk ({self.directory}) end early at "
                             f"byte {at}: was the disk full, or did a worker stop?")
