@@ -6,6 +6,7 @@ small diffs in-process). The planted-fault cases of tests/diffcases.py are `slow
 captures take ~20 s here); the synthetic cases below cover shadow, transforms and failures."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -217,6 +218,11 @@ def test_cli_says_how_many_bytes_it_read(tmp_path):
     line = next(x for x in p.stderr.splitlines() if x.startswith("diff: read "))
     assert line.startswith("diff: read 2.3 kB of 19.2 kB of tensor data (12.0 %) (11 record "
                            "pairs with equal content hashes measured without reading them)"), line
+    # and the JSON report says it too (issue 37), without the timings
+    p = subprocess.run([sys.executable, "-m", "accucheck", "diff", str(a), str(b), "--jobs", "1",
+                        "--format", "json"], capture_output=True, text=True)
+    io = json.loads(p.stdout)["io"]
+    assert io == {"bytes_read": 2304, "bytes_data": 19200, "unread_identical": 11, "jobs": 1}
 
 
 def test_parallel_mapped_vllm_and_rank_shards_equal_serial(tmp_path, pool):

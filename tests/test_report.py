@@ -18,7 +18,7 @@ from test_diff import base, write
 
 JSON_TOP = {"schema", "schema_version", "verdict", "exit_code", "summary", "ref", "cand", "routing", "mapping",
             "golden_path", "basis", "notes", "tolerances", "amplification", "counts",
-            "compared_steps", "first_divergence", "top", "records", "missing", "layers",
+            "compared_steps", "io", "first_divergence", "top", "records", "missing", "layers",
             "logits", "golden", "culprit", "ops", "diffuse", "noise_like", "first_over", "worst",
             "suspicious", "precision_findings", "compute_dtypes", "first_difference", "control"}
 

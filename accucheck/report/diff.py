@@ -339,6 +339,8 @@ def to_json(a: Analysis) -> dict:
                    "missing": len(d.missing), "skipped": d.skipped},
         "compared_steps": [{"req": r, "last_step": s if s >= 0 else None}
                            for r, s in d.compared_steps],
+        "io": None if d.io is None else {k: d.io[k] for k in (
+            "bytes_read", "bytes_data", "unread_identical", "jobs")},
         "first_divergence": div(L.first_divergence),
         "diffuse": L.diffuse,
         "noise_like": None if L.noise_like is None else {
