@@ -576,7 +576,7 @@ DISK_DRIVER = textwrap.dedent('''
 
     model, work, limit = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     cases = json.loads(sys.argv[4])
-    import accucheck.store as store
+    import accucheck.store.writer as store  # where CaptureWriter looks free_bytes up
     from accucheck.cli import main
 
     real_free_bytes = store.free_bytes

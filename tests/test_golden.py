@@ -61,8 +61,8 @@ def test_schema_matches_golden(name):
             f"v{store.SCHEMA_VERSION}: {HINT}")
         assert bool(f.attrs["complete"])
         required = set(store._INDEX_COLUMNS) | {"stats"}
-        # optional columns (store.py): extra, and sample (stats-mode values, not a string column)
-        optional = set(getattr(store, "_OPTIONAL_COLUMNS", {})) | {"sample"}
+        # optional columns (accucheck.store): extra, and sample (stats-mode values, not a string column)
+        optional = set(store._OPTIONAL_COLUMNS) | {"sample"}
         have = set(f["index"])
         assert required <= have <= required | optional, (
             f"{path}: index columns {sorted(have)}, accucheck expects {sorted(required)} "

@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "accucheck"
 
-BOTTOM = {"accucheck", "accucheck.store", "accucheck.keys", "accucheck.errors",
+BOTTOM = {"accucheck", "accucheck.store", "accucheck.store.format", "accucheck.store.reader",
+          "accucheck.store.writer", "accucheck.keys", "accucheck.errors",
           "accucheck.numbers", "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.replay",
        "accucheck.__main__"}
@@ -137,13 +138,22 @@ def top_level(name: str) -> str:
 
 
 @pytest.mark.parametrize("dist, allowed", [
-    ("h5py", {"accucheck.store"}),
+    ("h5py", {"accucheck.store.format", "accucheck.store.reader", "accucheck.store.writer"}),
     ("torch_npu", {"accucheck.capture.device"}),
 ])
 def test_only_one_module_imports(dist, allowed):
     users = {m for m in MODULES for name, _ in imports(m) if top_level(name) == dist}
     assert users <= allowed, f"{dist} imported by {sorted(users - allowed)}"
     assert users, f"nothing imports {dist} any more: update this test"
+
+
+def test_the_store_is_imported_one_way():
+    """accucheck.store's parts (format, reader, writer) are imported by the package alone:
+    everything else imports accucheck.store."""
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line}: {name}" for m in MODULES
+           if not m.startswith("accucheck.store") for name, line in imports(m)
+           if name.startswith("accucheck.store.")]
+    assert bad == []
 
 
 def test_the_diff_path_never_imports_torch():

@@ -662,6 +662,15 @@ class Recorder:
         raw, hosts = self.stats.compute()  # every record of the step, one transfer
         if not items:
             return 0
+        final, checksums = self._stat_rows(items, raw, hosts)
+        keys, texts = self._keys_texts(items)
+        self._write(items, keys, texts, final, checksums)
+        return len(items)
+
+    @staticmethod
+    def _stat_rows(items: list[Pending], raw: np.ndarray, hosts) -> tuple[np.ndarray, list[int]]:
+        """The step's finished statistics rows and checksums, in `items` order (each item's
+        `host` set from `hosts` where the stats kernel kept its values)."""
         index = [p.stats for p in items]
         if all(type(s) is int for s in index):
             rows = raw[index]
@@ -685,7 +694,11 @@ class Recorder:
                 final[k] = finish_stats(rows[k], items[k].numel,
                                         bf16_bits_to_float32(h) if items[k].dtype == "bfloat16"
                                         else h)
-        checksums = rows[:, 7].astype(np.int64).tolist()
+        return final, rows[:, 7].astype(np.int64).tolist()
+
+    def _keys_texts(self, items: list[Pending]) -> tuple[list[str], list[str]]:
+        """Each item's record key (its call counted here in graph mode) and its attrs JSON (the
+        input links to producers earlier in the step, and any extra)."""
         calls: dict[tuple[str, str, str], int] = {}
         sites: dict[Pending, str] = {}  # producers' sites (Pending hashes by identity)
         head = f"r{self._req}.s{self._step}:"
@@ -717,6 +730,12 @@ class Recorder:
             else:
                 text = _json(extra) if extra else ""
             texts.append(text)
+        return keys, texts
+
+    def _write(self, items: list[Pending], keys: list[str], texts: list[str],
+               final: np.ndarray, checksums: list[int]) -> None:
+        """Write the step's records and flush: statistics only in runs of rows (a kept module's
+        record with its values), or each record with its tensor (full store)."""
         if not self.full:  # no tensors to write: runs of rows in one call each
             start = 0
             for k in [k for k, p in enumerate(items) if p.host is not None] + [len(items)]:
@@ -736,4 +755,3 @@ class Recorder:
                 add(keys[k], p.kind, p.dtype, p.shape, final[k], checksums[k], p.host, texts[k],
                     share=p.share)
         self.writer.flush()
-        return len(items)

@@ -3,7 +3,7 @@
 Imports torch, numpy, accucheck.store (SAMPLE_SIZE) and, lazily, the C kernel next to this file
 (built with the system C compiler, loaded with ctypes); never h5py.
 
-What a record stores does not change (store.py: /index/stats, /index/checksum, /index/sample;
+What a record stores does not change (accucheck.store: /index/stats, /index/checksum, /index/sample;
 tensor_stats below is the reference definition): min, max, sum (-> mean),
 L2 (-> std), NaN / Inf / zero counts, the bit-pattern checksum and 64 values sampled at fixed
 positions. How they are computed:
@@ -442,7 +442,7 @@ class StepStats:
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     """Raw statistics [min, max, sum, l2, nan, inf, zero, checksum] followed by SAMPLE_SIZE
-    values at fixed positions (store.py, /index/sample), as one float64 tensor on t's device: a
+    values at fixed positions (accucheck.store, /index/sample), as one float64 tensor on t's device: a
     few fused reductions and one gather, no host sync. `finish_stats` turns the row into the
     stored one on the host. With NaN/Inf present, min..l2 are NaN-poisoned here (the counts are
     exact); `finish_stats` recomputes them over the finite values when the tensor is at hand."""

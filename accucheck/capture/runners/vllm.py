@@ -124,23 +124,18 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         from vllm import LLM, SamplingParams
 
         def params_for(follow):
-            return [SamplingParams(
-                temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
-                prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
-                extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
-                            follow[r][1] if follow is not None else None})
-                for r in range(len(prompt_ids))]
+            return _sampling_params(SamplingParams, plugin, len(prompt_ids), n_new, follow)
 
         check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
             # the untapped engine first (accucheck.capture.record.graph): its tokens and logits
             # are the run's; the tapped engine follows its tokens
             check = ObserverCheck("selection")
-            untapped = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
-                                      forced is not None)
             forced, untapped_workers = _untapped_run(
-                LLM, untapped, prompt_ids, params_for(forced), n_new,
-                int(hf_config.vocab_size), plugin.ENV, check)
+                LLM, _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
+                                    forced is not None),
+                prompt_ids, params_for(forced), n_new, int(hf_config.vocab_size), plugin.ENV,
+                check)
             dev.seed_everything(opts.seed, spec)
         kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                 forced is not None)
@@ -169,9 +164,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                     timing["merge_write_s"] = time.monotonic() - t0
                 writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()},
-                                   prefill_chunks=_prefill_chunks(got))
-                if check is not None:
-                    writer.update_meta(observer_effect=check.meta())
+                                   prefill_chunks=_prefill_chunks(got),
+                                   **({} if check is None else
+                                      {"observer_effect": check.meta()}))
                 _report(merged, cov)
                 skipped = _skipped_meta(writer, meta, got)
                 session.finish(cov)
@@ -179,6 +174,18 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         finally:
             shutdown(llm)
     return Path(out)
+
+
+def _sampling_params(SamplingParams, plugin, n: int, n_new: int, follow) -> list:
+    """Greedy, EOS ignored, n_new + 1 tokens with full-vocabulary raw logprobs (prompt ones too)
+    for each of the n requests; the plugin learns each one's index and the tokens it must
+    follow (`follow[r][1]`, the forced tokens) through extra_args."""
+    return [SamplingParams(
+        temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
+        prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
+        extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
+                    follow[r][1] if follow is not None else None})
+        for r in range(n)]
 
 
 def _checked(model_dir: Path, out: str | Path, opts: CaptureOptions,
