@@ -64,3 +64,24 @@ def vllm_in_process():
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     yield
     mp.undo()
+
+
+# Under pytest-xdist (`-n N`, as .ci/run runs the suite), each worker gets its share of the
+# cores for torch's intra-op threads, set before torch is imported (the vLLM engines and CLI
+# subprocesses a test starts inherit it): N workers at the machine's default thread count
+# would oversubscribe the cores. An OMP_NUM_THREADS the caller set is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cores or 1) // _WORKERS)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for `--dist loadgroup`: a test module runs on one worker (its module-scoped
+    captures are made once), and every module with a vLLM test on the same worker, so one
+    vLLM engine runs at a time (memory, ports)."""
+    vllm_modules = {item.nodeid.split("::")[0] for item in items
+                    if item.get_closest_marker("vllm")}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("vllm" if module in vllm_modules else module))
