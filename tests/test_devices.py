@@ -73,3 +73,27 @@ def test_a_fault_inside_a_fused_kernel_device_is_named(cap):
         a = analyze(ref, cand, controls=controls[:1] if with_control else ())
         assert a.culprit is not None and a.culprit.module == expect, (s, a.location)
         assert a.exit_code == 1
+
+
+def test_in_the_stats_store_a_silu_fault_is_named_at_the_silu_not_at_what_it_feeds(cap):
+    """The default store with one control: the control rule measures both sides from their
+    sketches (accucheck.store.sketch). A SiLU fault at x2 its natural noise inside the npu-like
+    device: from the 64-value sample it was missed (x1.21 against x1.30 needed); from a sketch
+    flooring |x| at a tenth of the RMS it was blamed on the down_proj it feeds. The same
+    device without the fault stays clean against the same control."""
+    ref = cap("ref32", dtype="float32")
+    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
+    _, site, expect = fault("act", 4, 0.0)
+    noise = natural_noise(ref, controls, site)
+
+    def calibration(name, planted_, include):
+        return cap(name, dtype="float32", fault_=planted_, include=include)
+    d = size_fault(calibration, ref, "act", 4, 2.0, noise)
+    ref_s, ctl_s = cap("ref32", "stats", dtype="float32"), cap("ctl0", "stats", device="dither",
+                                                               seed=100)
+    cand = cap("npu-act-2", "stats", device="npu", seed=7, fault_=fault("act", 4, d)[0])
+    a = analyze(ref_s, cand, controls=(ctl_s,))
+    assert a.culprit is not None and a.culprit.module == expect, a.location.noise.flagged
+    clean = analyze(ref_s, cap("npu", "stats", device="npu", seed=7), controls=(ctl_s,))
+    assert clean.culprit is None and clean.location.noise.flagged == (), \
+        clean.location.noise.flagged

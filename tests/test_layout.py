@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "accucheck"
 
 BOTTOM = {"accucheck", "accucheck.store", "accucheck.store.format", "accucheck.store.reader",
-          "accucheck.store.writer", "accucheck.keys", "accucheck.errors",
+          "accucheck.store.writer", "accucheck.store.sketch", "accucheck.keys", "accucheck.errors",
           "accucheck.numbers", "accucheck.prompts", "accucheck.paths", "accucheck.coverage"}
 TOP = {"accucheck.cli", "accucheck.demo", "accucheck.replay",
        "accucheck.__main__"}

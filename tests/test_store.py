@@ -10,7 +10,7 @@ from accucheck.capture.record.recorder import finish_stats
 from accucheck.capture.record.stats import tensor_stats, to_host
 from accucheck.errors import UserError
 from accucheck.keys import RecordKey
-from accucheck.store import SCHEMA_VERSION, CaptureWriter, open_capture
+from accucheck.store import SAMPLE_SIZE, SCHEMA_VERSION, CaptureWriter, open_capture, sketch_row
 
 
 def _key(module, step=0):
@@ -72,7 +72,10 @@ def test_stats_are_exact_and_finite_only(tmp_path):
     assert list(row[6:10]) == [1, 1, 1, 6] and np.isnan(row[0])
     clean = finish_stats(tensor_stats(torch.tensor([3.0, -4.0])).numpy(), 2)
     assert list(clean[:10]) == pytest.approx([-4, 3, -0.5, np.std([3, -4], ddof=1), 4, 5, 0, 0, 0, 2])
-    assert list(clean[10:12]) == [3, -4] and np.isnan(clean[12:]).all()  # sample, NaN-padded
+    assert list(clean[10:12]) == [3, -4] and np.isnan(clean[12:10 + SAMPLE_SIZE]).all()  # sample,
+    # NaN-padded, then the sketch row
+    np.testing.assert_allclose(clean[10 + SAMPLE_SIZE:], sketch_row(np.array([3.0, -4.0])))
+    assert np.isnan(row[10 + SAMPLE_SIZE + 1:]).all()  # a NaN or an Inf: no sketch
 
 
 def test_refuses_to_overwrite(tmp_path):

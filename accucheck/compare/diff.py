@@ -59,7 +59,7 @@ from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import JUDGED_ELSEWHERE, apply_routing, routing_notes
 from accucheck.store import (SAMPLE_SIZE, CaptureReader, IndexRow, open_capture,
-                             sample_positions)
+                             sample_positions, sketch_rel)
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
 from accucheck.compare.observer import observer_notes
@@ -165,10 +165,20 @@ def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str]
         return d
     # a control record after a routing flip of the control's own (MoE) measures other experts'
     # computations, not noise: the record has no control value then (not judged by the rule)
-    errs = [{str(r.key): r.elem_error for r in c.records if r.routing not in JUDGED_ELSEWHERE}
-            for c in ctl]
-    recs = tuple(replace(r, control=tuple(e[str(r.key)] for e in errs))
-                 if all(str(r.key) in e for e in errs) else r for r in d.records)
+    # one measure on both sides: the sketches' where the candidate and every control have one,
+    # else the samples' (an RMS and a mean of relative errors differ x2-x3)
+    errs = [{str(r.key): r for r in c.records if r.routing not in JUDGED_ELSEWHERE} for c in ctl]
+    recs = []
+    for r in d.records:
+        k = str(r.key)
+        if not all(k in e for e in errs):
+            recs.append(r)
+            continue
+        cs = [e[k] for e in errs]
+        if r.sketch is None or any(c.sketch is None for c in cs):
+            r, cs = replace(r, sketch=None), [replace(c, sketch=None) for c in cs]
+        recs.append(replace(r, control=tuple(c.elem_error for c in cs)))
+    recs = tuple(recs)
     return replace(d, records=recs, notes=d.notes + tuple(notes),
                    control_paths=tuple(c.cand_path for c in ctl))
 
@@ -469,7 +479,10 @@ class _Differ:
             acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
                                     **_rel_scale(ra, ra.shape[-1] if ra.shape else None))
             acc.add(ra.sample, ca.sample, sample_positions(ra.stats.numel, len(ra.sample)))
-            return RecordDiff(basis="sample", metrics=acc.result(), stats=sd, **base), None
+            return RecordDiff(basis="sample", metrics=acc.result(), stats=sd,
+                              sketch=None if ra.kind == "logits"  # compared up to a shift
+                              else sketch_rel(ra.sketch, ca.sketch, ra.stats.numel),
+                              **base), None
         is_logits = ra.kind == "logits" and len(ra.shape) >= 1 and ra.shape[-1] > 0
         acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
                                 **_rel_scale(ra, ra.shape[-1] if is_logits else None))

@@ -70,6 +70,9 @@ class RecordDiff:
                                 # "masked" (compared on the tokens routed alike), "after-flip"
                                 # (follows a routing flip: different computations, not judged)
     rows_excluded: int = 0      # "masked" / "ids": token rows routed differently
+    sketch: float | None = None  # stats store: the RMS elementwise relative error measured
+                                 # from both sides' sketches (accucheck.store.sketch); None
+                                 # where either has none (then the sample's mean_rel is used)
     ref_stats: Stats | None = field(default=None, compare=False)   # each side's index
     cand_stats: Stats | None = field(default=None, compare=False)  # statistics (store.Stats)
 
@@ -102,9 +105,19 @@ class RecordDiff:
         return math.inf
 
     @property
+    def estimated(self) -> bool:
+        """The error is an estimate from sampled values or from statistics (the stats store,
+        without a sketch on both sides)."""
+        return self.basis in ESTIMATED and self.sketch is None
+
+    @property
     def elem_error(self) -> float:
-        """The mean elementwise relative error (`TensorMetrics.mean_rel`) where the tensors (or
-        their samples) were compared, else `error`: what a control run is compared by."""
+        """What a control run is compared by: the mean elementwise relative error
+        (`TensorMetrics.mean_rel`) where the tensors were compared; in the stats store the RMS
+        elementwise relative error from the sketches where both sides hold one, else the
+        samples' mean_rel; else `error`."""
+        if self.sketch is not None:
+            return self.sketch
         if self.metrics is not None and self.metrics.mean_rel is not None:
             return self.metrics.mean_rel
         return self.error

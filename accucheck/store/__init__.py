@@ -5,7 +5,7 @@ here). Imports accucheck.errors, keys, paths.
 One capture = one HDF5 file, schema version 1. Everything below can be read with h5py alone:
 
     /                       attrs: format = "accucheck", schema_version = 1 (int),
-                                   schema_minor = 1 (int; absent = 0: written before
+                                   schema_minor = 2 (int; absent = 0: written before
                                    /index/hash; readers accept every minor of their version),
                                    complete = True only after a clean close
     /meta                   scalar UTF-8 string: JSON object (tool version, time, device,
@@ -52,6 +52,11 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             (j * (numel - 1)) // 63 for j = 0..63 (every element, NaN-padded,
                             when numel < 64): the same positions on every device for the same
                             shape, so two stats-mode captures can estimate rel_l2 from it
+    /index/sketch           [n, 129] float64 (OPTIONAL, schema_minor >= 2; NaN rows: none): the
+                            exponent e of c = 2**e ~ 0.1 x the tensor's RMS, then a 128-bucket
+                            count sketch of sign(x) log1p(|x| / c) (accucheck.store.sketch: the
+                            positions, the signs, the reference definition), so two stats-mode
+                            captures measure the RMS elementwise relative error of a record
     /tensors/<8 digits>     the tensor in its original dtype and shape (contiguous; chunked
                             with --compression gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
@@ -82,5 +87,8 @@ from accucheck.store.format import (FORMAT, KINDS, REGENERATE_HINT, SAMPLE_SIZE,
                                     _INDEX_COLUMNS, _OPTIONAL_COLUMNS, IndexRow, RequestTokens,
                                     Stats, bf16_bits_to_float32, content_hash, meta_header,
                                     sample_positions)
+from accucheck.store.sketch import (SKETCH_FLOOR, SKETCH_SIZE, SKETCH_WIDTH,  # noqa: F401
+                                    sketch_rel, sketch_row)
+from accucheck.store.sketch import tables as sketch_tables  # noqa: F401
 from accucheck.store.reader import CaptureReader, open_capture  # noqa: F401
 from accucheck.store.writer import CaptureWriter  # noqa: F401

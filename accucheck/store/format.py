@@ -18,7 +18,7 @@ from accucheck.keys import RecordKey
 
 FORMAT = "accucheck"
 SCHEMA_VERSION = 1
-SCHEMA_MINOR = 1  # 1: /index/hash; a reader reads every minor of its SCHEMA_VERSION
+SCHEMA_MINOR = 2  # 1: /index/hash; 2: /index/sketch; a reader reads every minor of its version
 STAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "zero", "numel")
 KINDS = ("module", "op", "logits")
 _KIND_SET = frozenset(KINDS)
@@ -72,6 +72,8 @@ class IndexRow:
     extra: str = ""  # JSON object with per-record details (input links, op call site / args) or ""
     sample: np.ndarray | None = field(default=None, compare=False, repr=False)
     # SAMPLE_SIZE values at fixed positions (see /index/sample); None when not captured
+    sketch: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # the sketch row (accucheck.store.sketch, /index/sketch); None when not captured
     hash: int = field(default=0, compare=False)
     # content hash of the stored tensor (see /index/hash); 0: none (statistics only, old file)
 

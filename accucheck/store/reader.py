@@ -17,6 +17,7 @@ from accucheck.store.format import (FORMAT, IndexRow, KINDS, REGENERATE_HINT, Re
                                     SAMPLE_SIZE, SCHEMA_VERSION, STAT_FIELDS, Stats,
                                     _INDEX_COLUMNS, _NATIVE, _as_str, _split_axis,
                                     bf16_bits_to_float32)
+from accucheck.store.sketch import SKETCH_WIDTH
 
 
 class CaptureReader:
@@ -109,7 +110,8 @@ class CaptureReader:
             if ds.ndim != want[0] or (want[1] is not None and ds.shape[1] != want[1]):
                 raise self._damaged(f"/index/{c} has shape {ds.shape}")
         opt = {}
-        for c, width in (("extra", None), ("hash", None), ("sample", SAMPLE_SIZE)):
+        for c, width in (("extra", None), ("hash", None), ("sample", SAMPLE_SIZE),
+                         ("sketch", SKETCH_WIDTH)):
             if c in idx:
                 ds = self._dataset(c, group=idx, where="/index")
                 if ds.ndim != (1 if width is None else 2) or (width and ds.shape[1] != width):
@@ -124,8 +126,8 @@ class CaptureReader:
             data = {c: ds[:n] for c, ds in cols.items()}
             extra = opt["extra"][:n] if "extra" in opt and opt["extra"].shape[0] >= n else None
             digests = opt["hash"][:n] if "hash" in opt and opt["hash"].shape[0] >= n else None
-            sample = opt["sample"][:n] if "sample" in opt and opt["sample"].shape[0] >= n \
-                else None
+            sample, sketch = (opt[c][:n] if c in opt and opt[c].shape[0] >= n else None
+                              for c in ("sample", "sketch"))
         except (OSError, ValueError, TypeError) as e:
             raise self._damaged(f"/index cannot be read ({_one_line(e, 120)})") from None
         stats = np.asarray(data["stats"], dtype=np.float64)
@@ -163,7 +165,8 @@ class CaptureReader:
                 extra=_as_str(extra[i]) if extra is not None else "",
                 hash=int(digests[i]) if digests is not None and name else 0,
                 sample=sample[i] if sample is not None and not np.isnan(sample[i]).all()
-                else None))
+                else None,
+                sketch=sketch[i] if sketch is not None and not np.isnan(sketch[i, 0]) else None))
         if len({str(r.key) for r in rows}) != len(rows):
             raise self._damaged("/index/key lists a record twice")
         return rows

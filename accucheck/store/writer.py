@@ -21,6 +21,10 @@ from accucheck.store.format import (FORMAT, KINDS, SAMPLE_SIZE, SCHEMA_MINOR, SC
                                     STAT_FIELDS, STORE_MODES, _INDEX_CHUNK, _INDEX_COLUMNS,
                                     _KIND_SET, _OPTIONAL_COLUMNS, _STR, _as_str, _disk_full,
                                     _split_axis, content_hash)
+from accucheck.store.sketch import SKETCH_WIDTH
+
+_ROW = len(STAT_FIELDS) + SAMPLE_SIZE + SKETCH_WIDTH  # a buffered index row
+_WIDTHS = (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE, _ROW)  # rows `add` takes
 
 
 class CaptureWriter:
@@ -51,7 +55,7 @@ class CaptureWriter:
         self.store = store
         self.compression = compression
         self._rows: list[tuple] = []
-        self._block = np.empty((256, len(STAT_FIELDS) + SAMPLE_SIZE))  # their stats + sample
+        self._block = np.empty((256, _ROW))  # their stats + sample + sketch
         self._n = 0
         self._seen: set[str] = set()
         self._shared: dict[str, tuple[str, int]] = {}  # share -> (dataset name, hash)
@@ -94,8 +98,12 @@ class CaptureWriter:
                 idx.create_dataset("stats", shape=(0, len(STAT_FIELDS)),
                                    maxshape=(None, len(STAT_FIELDS)), dtype=np.float64,
                                    chunks=(_INDEX_CHUNK, len(STAT_FIELDS)))
-                idx.create_dataset("sample", shape=(0, SAMPLE_SIZE), maxshape=(None, SAMPLE_SIZE),
-                                   dtype=np.float64, chunks=(_INDEX_CHUNK, SAMPLE_SIZE))
+                # the sketch (accucheck.store.sketch) in stats mode only: a full capture's
+                # tensors give the exact errors
+                for name, width in (("sample", SAMPLE_SIZE),) + (
+                        (("sketch", SKETCH_WIDTH),) if store == "stats" else ()):
+                    idx.create_dataset(name, shape=(0, width), maxshape=(None, width),
+                                       dtype=np.float64, chunks=(_INDEX_CHUNK, width))
                 self._f.create_group("tensors")
                 self._f.create_group("requests")
                 self._index = {name: idx[name] for name in idx}  # opened once, not per flush
@@ -157,10 +165,11 @@ class CaptureWriter:
 
     def _close_bytes(self) -> int:
         """About what writing the buffered rows and closing needs: index chunks of _INDEX_CHUNK
-        rows (the sample column dominates) and metadata."""
+        rows (the sample and sketch columns dominate) and metadata."""
         k = len(self._rows)
         chunks = -(-(self._n + k) // _INDEX_CHUNK) - (-(-self._n // _INDEX_CHUNK)) + 1
-        row_bytes = 8 * (len(STAT_FIELDS) + SAMPLE_SIZE + 1) + 16 * (len(_INDEX_COLUMNS) + 1)
+        width = _ROW if self.store == "stats" else _ROW - SKETCH_WIDTH
+        row_bytes = 8 * (width + 1) + 16 * (len(_INDEX_COLUMNS) + 1)
         return self.reserve + chunks * _INDEX_CHUNK * row_bytes + k * 256
 
     def _disk_is_full(self) -> None:
@@ -199,7 +208,8 @@ class CaptureWriter:
             stats: np.ndarray, checksum: int, data: np.ndarray | None = None,
             extra: str = "", share: str | None = None, keep: bool = False) -> None:
         """Add one record. `key`: a RecordKey or its string. `stats`: the STAT_FIELDS values,
-        optionally followed by SAMPLE_SIZE sampled values (see /index/sample). `data` (full
+        optionally followed by SAMPLE_SIZE sampled values (see /index/sample) and the sketch
+        row (SKETCH_WIDTH values, /index/sketch); what is left out is stored NaN. `data` (full
         mode only) is the tensor as a numpy array in its stored representation (bfloat16 as
         uint16 bit patterns, `dtype` says "bfloat16"). `extra`: "" or a JSON object string
         (see /index/extra). `share`: records added with the same `share` string hold the same
@@ -237,7 +247,7 @@ class CaptureWriter:
                 self._shared[share] = (name, digest)
         row = stats if type(stats) is np.ndarray and stats.ndim == 1 \
             and stats.dtype == np.float64 else np.asarray(stats, dtype=np.float64).reshape(-1)
-        if row.size not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
+        if row.size not in _WIDTHS:
             raise ValueError(f"stats row of {row.size} values for {skey}")
         shape_key = tuple(shape)
         shape_json = self._shapes.get(shape_key)
@@ -249,8 +259,7 @@ class CaptureWriter:
             grown[:k] = self._block
             self._block = grown
         self._block[k, :row.size] = row
-        if row.size == len(STAT_FIELDS):
-            self._block[k, len(STAT_FIELDS):] = np.nan
+        self._block[k, row.size:] = np.nan
         self._rows.append((skey, kind, dtype, shape_json, name, int(checksum), digest, extra,
                            None))
 
@@ -265,7 +274,7 @@ class CaptureWriter:
         """Many records without tensor data at once (a stats-mode step): the same rows as
         `add(keys[i], kinds[i], dtypes[i], shapes[i], stats[i], checksums[i], extra=extras[i])`
         for each i, in order, with one check and one block copy. `keys`: strings; `stats`:
-        [n, STAT_FIELDS (+ SAMPLE_SIZE)] float64; `checksums`: ints."""
+        [n, STAT_FIELDS (+ SAMPLE_SIZE (+ SKETCH_WIDTH))] float64; `checksums`: ints."""
         n = len(keys)
         if not n:
             return
@@ -282,7 +291,7 @@ class CaptureWriter:
             raise ValueError(f"{self.path}: add after close")
         block = np.asarray(stats, dtype=np.float64)
         width = block.shape[1] if block.ndim == 2 and len(block) == n else -1
-        if width not in (len(STAT_FIELDS), len(STAT_FIELDS) + SAMPLE_SIZE):
+        if width not in _WIDTHS:
             raise ValueError(f"stats block of shape {block.shape} for {n} records")
         self._seen |= new
         cache = self._shapes
@@ -299,8 +308,7 @@ class CaptureWriter:
             grown[:k] = self._block[:k]
             self._block = grown
         self._block[k:k + n, :width] = block
-        if width == len(STAT_FIELDS):
-            self._block[k:k + n, len(STAT_FIELDS):] = np.nan
+        self._block[k:k + n, width:] = np.nan
         none = (None,) * n
         self._rows.extend(zip(keys, kinds, dtypes, shape_json, ("",) * n, checksums,
                               (0,) * n, extras, none))
@@ -352,9 +360,13 @@ class CaptureWriter:
                 ds[n0:] = np.asarray(cols[j], dtype=np.int64) if name in ("checksum", "hash") \
                     else \
                     np.asarray([v.encode() for v in cols[j]], dtype=object)  # UTF-8, as h5py
-            for name, block in (("stats", self._block[:k, :len(STAT_FIELDS)]),
-                                ("sample", self._block[:k, len(STAT_FIELDS):])):
-                ds = idx[name]
+            ns = len(STAT_FIELDS)
+            for name, block in (("stats", self._block[:k, :ns]),
+                                ("sample", self._block[:k, ns:ns + SAMPLE_SIZE]),
+                                ("sketch", self._block[:k, ns + SAMPLE_SIZE:])):
+                ds = idx.get(name)
+                if ds is None:  # no sketch in full mode
+                    continue
                 ds.resize((n0 + k, ds.shape[1]))
                 ds[n0:] = block
             self._n += k

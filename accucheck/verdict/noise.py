@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from accucheck.compare.results import ESTIMATED, DiffResult, RecordDiff
+from accucheck.compare.results import DiffResult, RecordDiff
 from accucheck.compare.routing import JUDGED_ELSEWHERE
 from accucheck.compare.tolerances import (CONTROL_ERROR_FLOOR, CONTROL_MIN_PEERS,
                                           CONTROL_MIN_RATIO, CONTROL_MIN_RATIO_ESTIMATED,
@@ -104,7 +104,7 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
             else:
                 location, spread = 0.0, CONTROL_PEERLESS_SPREAD
             xs = sorted(by_site[s], key=lambda p: (p[0].key.step, p[0].key.req, p[0].order))
-            least = CONTROL_MIN_RATIO_ESTIMATED if all(r.basis in ESTIMATED for r, _ in xs) \
+            least = CONTROL_MIN_RATIO_ESTIMATED if all(r.estimated for r, _ in xs) \
                 else CONTROL_MIN_RATIO
             limit = max(math.exp(location + CONTROL_Z * spread), least)
             named = next((x for _, x in xs if x.excess > limit),

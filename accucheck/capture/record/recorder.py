@@ -60,12 +60,12 @@ from accucheck.capture.record.links import (Frame, Pending, Producers, identity,
                                             view_of, weak_expired, weak_free)
 from accucheck.capture.record.selection import call_slots, flatten, inputs_of
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import SAMPLE_SIZE, CaptureWriter, bf16_bits_to_float32
+from accucheck.store import CaptureWriter, bf16_bits_to_float32
 
 
 def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
-    """Stored statistics row (store.STAT_FIELDS, then the SAMPLE_SIZE sampled values) from a
-    `tensor_stats` row. `host` (the exact values, when captured) lets a NaN/Inf-holding tensor
+    """Stored statistics row (store.STAT_FIELDS, the SAMPLE_SIZE sampled values, the sketch row
+    of accucheck.store.sketch) from a `tensor_stats` row. `host` (the exact values, when captured) lets a NaN/Inf-holding tensor
     get finite-only min..l2."""
     mn, mx, s, l2, nan, inf, zero = (float(v) for v in raw[:7])
     if nan + inf and host is not None:
@@ -80,7 +80,7 @@ def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) ->
     absmax = max(abs(mn), abs(mx))
     return np.concatenate([
         np.array([mn, mx, mean, np.sqrt(var), absmax, l2, nan, inf, zero, numel], dtype=np.float64),
-        np.asarray(raw[8:8 + SAMPLE_SIZE], dtype=np.float64)])
+        np.asarray(raw[8:], dtype=np.float64)])
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -111,7 +111,7 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def finish_rows(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
     """`finish_stats` of many `tensor_stats` rows at once, without `host`: [n, STAT_FIELDS +
-    SAMPLE_SIZE] float64 (the caller redoes rows holding NaN / Inf whose values it has)."""
+    SAMPLE_SIZE + SKETCH_WIDTH] float64 (the caller redoes rows holding NaN / Inf whose values it has)."""
     raw = np.asarray(raw, dtype=np.float64)
     n = np.asarray(numel, dtype=np.float64)
     mn, mx, s, l2, nan, inf = (raw[:, j] for j in range(6))
@@ -120,11 +120,11 @@ def finish_rows(raw: np.ndarray, numel: np.ndarray) -> np.ndarray:
         mean = np.where(nf > 0, s / np.where(nf > 0, nf, 1.0), np.nan)
         var = np.where(nf > 1, np.maximum(l2 * l2 - s * mean, 0.0)
                        / np.where(nf > 1, nf - 1, 1.0), 0.0)
-    out = np.empty((raw.shape[0], 10 + SAMPLE_SIZE))
+    out = np.empty((raw.shape[0], 10 + raw.shape[1] - 8))
     out[:, 0], out[:, 1], out[:, 2], out[:, 3] = mn, mx, mean, np.sqrt(var)
     out[:, 4], out[:, 5] = np.maximum(np.abs(mn), np.abs(mx)), l2
     out[:, 6], out[:, 7], out[:, 8], out[:, 9] = nan, inf, raw[:, 6], n
-    out[:, 10:] = raw[:, 8:8 + SAMPLE_SIZE]
+    out[:, 10:] = raw[:, 8:]
     return out
 
 

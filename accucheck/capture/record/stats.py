@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -49,9 +50,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from accucheck.store import SAMPLE_SIZE
+from accucheck.store import SAMPLE_SIZE, SKETCH_FLOOR, SKETCH_WIDTH, sketch_tables
 
-RAW_SIZE = 8 + SAMPLE_SIZE          # min, max, sum, l2, nan, inf, zero, checksum, sample...
+RAW_SIZE = 8 + SAMPLE_SIZE + SKETCH_WIDTH  # min, max, sum, l2, nan, inf, zero, checksum,
+                                           # sample..., sketch (exponent, buckets...)
 STAGE_BYTES = 256 << 20             # staged bytes per step before an early reduction
 STAGE_NUMEL_CPU = 1 << 17           # torch path on the CPU: larger tensors are reduced at once
 _MOD52 = 2 ** 52
@@ -67,16 +69,18 @@ _kernel_state: dict = {}  # "lib" (a _CKernel or None) and "why" (the reason the
 
 
 class _CKernel:
-    """The loaded C kernel: one function per dtype, `(data_ptr, numel, out_row_ptr) -> 0`."""
+    """The loaded C kernel: one function per dtype, `(data_ptr, numel, out_row_ptr, sketch)
+    -> 0` (sketch 0: the sketch row is NaN)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.fns = {}
         for dtype, suffix in _C_NAMES.items():
             fn = getattr(lib, f"accucheck_stats_{suffix}")
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int)
             fn.restype = ctypes.c_int
             self.fns[dtype] = fn
+        lib.accucheck_sketch_init()  # the sketch's position tables, before any kernel
         if not lib.accucheck_has_f16():
             del self.fns[torch.float16]  # no _Float16 in this compiler: the torch path does it
 
@@ -161,7 +165,7 @@ def _sample_index(n: int, device: torch.device) -> torch.Tensor:
     return idx
 
 
-def _packed_rows(x: torch.Tensor, exact: bool) -> torch.Tensor:
+def _packed_rows(x: torch.Tensor, exact: bool, sketch: bool = True) -> torch.Tensor:
     """Statistics of each row of the 2-D tensor `x` as a float64 [rows, RAW_SIZE] tensor on its
     device, "packed": column 6 holds the NON-zero count and column 7 the raw int64 bit-pattern
     sum (its bits, `.view(int64)`), so both stay exact; `_unpack` makes the stored row. Without
@@ -186,7 +190,62 @@ def _packed_rows(x: torch.Tensor, exact: bool) -> torch.Tensor:
     else:
         sample = torch.cat([x.to(f64), x.new_full((r, SAMPLE_SIZE - n), float("nan"),
                                                   dtype=f64)], 1)
-    return torch.cat([vals.to(f64), counts, bits, sample], 1)
+    sk = _sketch_rows(x) if sketch else x.new_full((r, SKETCH_WIDTH), float("nan"), dtype=f64)
+    return torch.cat([vals.to(f64), counts, bits, sample, sk], 1)
+
+
+_sketch_tables: dict[str, tuple[torch.Tensor, ...]] = {}
+_sketch_pos: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+SKETCH_CHUNK = 1 << 22  # float64 elements per piece of the sketch's computation
+
+
+def _sketch_positions(c: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bucket (int64) and sign (float64) of flat positions c..c+m-1 on `device` (cached for
+    the first SKETCH_CHUNK positions: every tensor's first piece)."""
+    key = (m, str(device))
+    got = _sketch_pos.get(key) if c == 0 else None
+    if got is not None:
+        return got
+    t = _sketch_tables.get(str(device))
+    if t is None:
+        t = _sketch_tables[str(device)] = tuple(torch.as_tensor(a, device=device)
+                                                for a in sketch_tables())
+    g, h, sl, sh = t
+    i = torch.arange(c, c + m, device=device)
+    hi = (i >> 16) & 65535
+    got = ((i & 127) ^ g[(i >> 7) & 511] ^ h[hi], sl[i & 65535] * sh[hi])
+    if c == 0:
+        if len(_sketch_pos) > 64:
+            _sketch_pos.clear()
+        _sketch_pos[key] = got
+    return got
+
+
+def _sketch_rows(x: torch.Tensor) -> torch.Tensor:
+    """The sketch rows (accucheck.store.sketch) of each row of the 2-D float tensor `x`, as a
+    float64 [rows, SKETCH_WIDTH] tensor on its device: in float64 (a float32 sketch would be
+    noisier than two float32 runs' difference), in pieces of SKETCH_CHUNK elements, about ten
+    kernels per piece. A row holding a NaN or an Inf comes out NaN."""
+    r, n = x.shape
+    f64 = torch.float64
+    cols = max(1, min(n, SKETCH_CHUNK))
+    rows = max(1, SKETCH_CHUNK // cols)
+    out = torch.empty((r, SKETCH_WIDTH), dtype=f64, device=x.device)
+    for a in range(0, r, rows):
+        xa = x[a:a + rows]
+        rms = torch.linalg.vector_norm(xa, dim=1, dtype=f64) / math.sqrt(n)
+        ok = rms > 0
+        e = torch.where(ok, torch.floor(torch.log2(SKETCH_FLOOR * rms)), 0.0)
+        inv = torch.where(ok, torch.exp2(-e), 0.0)[:, None]
+        acc = torch.zeros((len(xa), SKETCH_WIDTH - 1), dtype=f64, device=x.device)
+        for c in range(0, n, cols):
+            v = xa[:, c:c + cols].to(f64)
+            bucket, sign = _sketch_positions(c, v.shape[1], x.device)
+            z = torch.log1p_(v.abs().mul_(inv)).copysign_(v).mul_(sign)
+            acc.index_add_(1, bucket, z)
+        out[a:a + rows, 0] = e
+        out[a:a + rows, 1:] = torch.where(torch.isfinite(rms)[:, None], acc, float("nan"))
+    return out
 
 
 def _unpack(packed: np.ndarray, n: int) -> np.ndarray:
@@ -238,10 +297,13 @@ class StepStats:
     keep: full mode: every tensor's values are kept (CPU: a copy at `add`; accelerators: the
     staged copies, moved to the host with the statistics).
     kernel: "c" or "torch" for CPU tensors (default: "c" when the C kernel builds).
+    sketch: compute each tensor's sketch row (accucheck.store.sketch; default: in stats mode,
+    not with `keep`, where the tensors themselves are stored); else it is NaN.
     """
 
     def __init__(self, *, keep: bool = False, kernel: str | None = None,
-                 stage_bytes: int = STAGE_BYTES, stage_numel_cpu: int = STAGE_NUMEL_CPU):
+                 stage_bytes: int = STAGE_BYTES, stage_numel_cpu: int = STAGE_NUMEL_CPU,
+                 sketch: bool | None = None):
         if kernel not in (None, "c", "torch"):
             raise ValueError(f"kernel must be 'c' or 'torch', not {kernel!r}")
         lib = c_kernel() if kernel != "torch" else None
@@ -250,6 +312,7 @@ class StepStats:
         self._c = lib.fns if lib is not None else {}
         self.kernel = "c" if lib is not None else "torch"
         self.keep = keep
+        self.sketch = not keep if sketch is None else sketch
         self.stage_bytes = stage_bytes
         self.stage_numel_cpu = stage_numel_cpu
         self._raw = np.empty((0, RAW_SIZE))
@@ -295,7 +358,7 @@ class StepStats:
                 self._n = i + 1
                 if not t.is_contiguous():
                     t = t.contiguous()
-                fn(t.data_ptr(), n, self._base + i * _ROW_BYTES)
+                fn(t.data_ptr(), n, self._base + i * _ROW_BYTES, self.sketch)
                 return i
         return self._add(t)
 
@@ -321,7 +384,7 @@ class StepStats:
                 if not t.is_contiguous():
                     t = t.contiguous()
                 src = t.data_ptr()
-            fn(src, n, self._base + i * (RAW_SIZE * 8))
+            fn(src, n, self._base + i * _ROW_BYTES, self.sketch)
             return i
         nbytes = n * t.element_size()
         if nbytes > self.stage_bytes or (cpu and n > self.stage_numel_cpu):
@@ -353,16 +416,16 @@ class StepStats:
         if self.keep:
             self._hosts[i] = _to_host(t)
         if not cpu:
-            self._direct.append((i, n, _packed_rows(x, exact=True), True))
+            self._direct.append((i, n, _packed_rows(x, True, self.sketch), True))
             return
-        raw = _unpack(_packed_rows(x, exact=False).numpy(), n)
+        raw = _unpack(_packed_rows(x, False, self.sketch).numpy(), n)
         if _bad(raw)[0]:
             raw[0, 4:7] = _recount(x)[0].numpy()
         self._raw[i] = raw[0]
 
     def now(self, t: torch.Tensor) -> np.ndarray:
         """The raw row of one tensor, computed and moved to the host at once (weights: once
-        per capture). Does not touch the step's rows."""
+        per capture; no sketch). Does not touch the step's rows."""
         with _no_modes():
             t = t.detach()
             if t.numel() == 0 or t.dtype not in _FLOATS:
@@ -370,10 +433,10 @@ class StepStats:
             fn = self._c.get(t.dtype) if t.is_cpu else None
             if fn is not None:
                 row = np.empty(RAW_SIZE)
-                fn(t.contiguous().data_ptr(), t.numel(), row.ctypes.data)
+                fn(t.contiguous().data_ptr(), t.numel(), row.ctypes.data, 0)
                 return row
             x = t.reshape(1, -1)
-            return _unpack(_packed_rows(x, exact=True).cpu().numpy(), x.shape[1])[0]
+            return _unpack(_packed_rows(x, True, False).cpu().numpy(), x.shape[1])[0]
 
     # -- computing -----------------------------------------------------------------------
     def _reduce_staged(self) -> None:
@@ -383,7 +446,8 @@ class StepStats:
         for chunks in self._groups.values():
             for c in chunks:
                 if c.used:
-                    parts.append((c.index, c.buf.shape[1], _packed_rows(c.buf[:c.used], False),
+                    parts.append((c.index, c.buf.shape[1],
+                                  _packed_rows(c.buf[:c.used], False, self.sketch),
                                   False, c))
         for i, n, packed, exact in self._direct:
             parts.append(([i], n, packed, exact, None))
@@ -465,7 +529,12 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
         sample = torch.cat([flat.to(torch.float64),
                             torch.full((SAMPLE_SIZE - n,), float("nan"), dtype=torch.float64,
                                        device=xf.device)])
-    return torch.cat([vals, counts, sample])
+    if x.is_floating_point() and n:
+        sketch = _sketch_rows(xf.reshape(1, -1))[0]
+    else:  # integers, bool, empty: no sketch (their errors are not relative ones)
+        sketch = torch.full((SKETCH_WIDTH,), float("nan"), dtype=torch.float64,
+                            device=xf.device)
+    return torch.cat([vals, counts, sample, sketch])
 
 
 def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:

@@ -4,7 +4,7 @@
  * where the CPU has them) into the accucheck cache and called through ctypes; without a C
  * compiler the recorder uses its torch kernels instead (same statistics).
  *
- * accucheck_stats_<dtype>(x, n, out) writes the raw statistics row that
+ * accucheck_stats_<dtype>(x, n, out, sketch) writes the raw statistics row that
  * accucheck.capture.recorder.tensor_stats produces, as RAW doubles:
  *   out[0..3]  min, max, sum, L2 norm   (NaN-poisoned like torch: min = max = NaN when a NaN is
  *                                        present; sum / L2 propagate NaN / Inf)
@@ -12,6 +12,10 @@
  *   out[7]     checksum: the sum of the raw bit patterns as signed integers, mod 2**52 (exact)
  *   out[8..]   SAMPLE values at flat positions (j * (n - 1)) / (SAMPLE - 1), NaN-padded when
  *              n < SAMPLE (every element then)
+ *   out[8 + SAMPLE..]  the sketch row (accucheck/store/sketch.py, the reference definition):
+ *              the exponent e of c, then SKETCH buckets of sign(x) log1p(|x| / c) with random
+ *              signs; NaN when the tensor holds a NaN or an Inf, or without `sketch`. A second pass over the tensor
+ *              (it needs the RMS): one log1p per element, the kernel's main cost.
  * Sums and sums of squares are accumulated in double lanes (float * float is exact in double),
  * so they are at least as accurate as torch's float32 reductions. Integer lane counters are
  * 32-bit inside a block of BLOCK elements (no overflow: BLOCK / LANES elements per lane).
@@ -25,6 +29,54 @@
 #define BLOCK 1024
 #define SAMPLE 64
 #define MASK52 ((uint64_t)0xFFFFFFFFFFFFFull)
+#define SKETCH 128
+#define SKETCH_FLOOR 1.0
+
+/* the sketch's position tables: splitmix64 of seed * 2**32 + j (accucheck.store.sketch) */
+static int32_t TG[512], TH[65536];
+static double TSL[65536], TSH[65536];
+
+static uint64_t mix(uint64_t seed, uint64_t j) {
+    uint64_t z = ((seed << 32) + j) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Called once when the library is loaded, before any kernel. */
+void accucheck_sketch_init(void) {
+    for (uint64_t j = 0; j < 512; j++) TG[j] = (int32_t)(mix(1, j) & 127);
+    for (uint64_t j = 0; j < 65536; j++) {
+        TH[j] = (int32_t)(mix(2, j) & 127);
+        TSL[j] = (mix(3, j) >> 63) ? -1.0 : 1.0;
+        TSH[j] = (mix(4, j) >> 63) ? -1.0 : 1.0;
+    }
+}
+
+/* The sketch row of x (LOAD(x, i): element i as a double) into out[0..SKETCH]; q: the sum of
+ * squares, bad: a NaN or an Inf is present. Groups of 128 aligned positions share G and H. */
+#define SKETCH_PASS(x, n, q, bad, out, LOAD)                                                     \
+    do {                                                                                         \
+        double rms_ = sqrt((q) / (double)(n));                                                   \
+        double e_ = rms_ > 0 ? floor(log2(SKETCH_FLOOR * rms_)) : 0.0;                           \
+        (out)[0] = e_;                                                                           \
+        for (int k_ = 0; k_ < SKETCH; k_++) (out)[1 + k_] = (bad) ? NAN : 0.0;                   \
+        if (!(bad) && rms_ > 0) {                                                                \
+            double inv_ = ldexp(1.0, -(int)e_);                                                  \
+            for (int64_t g_ = 0; g_ < (n); g_ += 128) {                                          \
+                int64_t hi_ = (g_ >> 16) & 65535;                                                \
+                int32_t v_ = TG[(g_ >> 7) & 511] ^ TH[hi_];                                      \
+                double sh_ = TSH[hi_];                                                           \
+                const double *sl_ = TSL + (g_ & 65535);                                          \
+                int64_t m_ = (n) - g_ < 128 ? (n) - g_ : 128;                                    \
+                for (int64_t r_ = 0; r_ < m_; r_++) {                                            \
+                    double xv_ = LOAD(x, g_ + r_);                                               \
+                    double z_ = copysign(log1p(fabs(xv_) * inv_), xv_);                          \
+                    (out)[1 + ((int32_t)r_ ^ v_)] += sh_ * sl_[r_] * z_;                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
 
 static void sample_positions(int64_t n, int64_t *pos) {
     for (int j = 0; j < SAMPLE; j++) pos[j] = n >= SAMPLE ? (j * (n - 1)) / (SAMPLE - 1) : j;
@@ -62,7 +114,7 @@ static void finish(double *out, double mn, double mx, double s, double q, int64_
 /* A whole kernel: WIDEN(xb) prepares the block (16-bit types: into float / int32 buffers, in
  * a loop of its own so that both loops vectorize), LOAD(x, i) / BITS(x, i) read element i. */
 #define KERNEL(NAME, T, WIDEN, V, W, LOAD, BITS, ABSMASK, EXPMASK)                               \
-int NAME(const T *x, int64_t n, double *out) {                                                   \
+int NAME(const T *x, int64_t n, double *out, int sketch) {                                                   \
     float mn[LANES], mx[LANES];                                                                  \
     for (int k = 0; k < LANES; k++) { mn[k] = INFINITY; mx[k] = -INFINITY; }                     \
     double s = 0, q = 0; int64_t cz = 0, cn = 0, ci = 0; uint64_t bs = 0;                         \
@@ -83,6 +135,8 @@ int NAME(const T *x, int64_t n, double *out) {                                  
     finish(out, gmn, gmx, s, q, cn, ci, cz, bs);                                                 \
     int64_t pos[SAMPLE]; sample_positions(n, pos);                                               \
     for (int j = 0; j < SAMPLE; j++) out[8 + j] = j < n ? (double)LOAD(x, pos[j]) : NAN;          \
+    if (sketch) SKETCH_PASS(x, n, q, cn || ci, out + 8 + SAMPLE, LOAD);                          \
+    else for (int k = 0; k <= SKETCH; k++) out[8 + SAMPLE + k] = NAN;                           \
     return 0;                                                                                    \
 }
 
@@ -114,13 +168,13 @@ KERNEL(accucheck_stats_f16, uint16_t, F16_WIDEN, BUF_V, BUF_W, F16_LOAD, I16_BIT
        0x7FFF, 0x7C00)
 int accucheck_has_f16(void) { return 1; }
 #else
-int accucheck_stats_f16(const uint16_t *x, int64_t n, double *out) { (void)x; (void)n; (void)out; return -1; }
+int accucheck_stats_f16(const uint16_t *x, int64_t n, double *out, int sketch) { (void)x; (void)n; (void)out; (void)sketch; return -1; }
 int accucheck_has_f16(void) { return 0; }
 #endif
 
 /* float64: double lanes, 64-bit counters and a wrapping 64-bit bit-pattern sum (torch's int64
  * sum wraps the same way; 2**52 divides 2**64, so the checksum is exact). */
-int accucheck_stats_f64(const double *x, int64_t n, double *out) {
+int accucheck_stats_f64(const double *x, int64_t n, double *out, int sketch) {
     double mn[LANES], mx[LANES], fs[LANES] = {0}, fq[LANES] = {0};
     int64_t z[LANES] = {0}, na[LANES] = {0}, in[LANES] = {0}; uint64_t bs[LANES] = {0};
     for (int k = 0; k < LANES; k++) { mn[k] = INFINITY; mx[k] = -INFINITY; }
@@ -149,5 +203,8 @@ int accucheck_stats_f64(const double *x, int64_t n, double *out) {
     finish(out, gmn, gmx, s, q, cn, ci, cz, b);
     int64_t pos[SAMPLE]; sample_positions(n, pos);
     for (int j = 0; j < SAMPLE; j++) out[8 + j] = j < n ? x[pos[j]] : NAN;
+#define F64_LOAD(x, i) ((x)[i])
+    if (sketch) SKETCH_PASS(x, n, q, cn || ci, out + 8 + SAMPLE, F64_LOAD);
+    else for (int k = 0; k <= SKETCH; k++) out[8 + SAMPLE + k] = NAN;
     return 0;
 }
