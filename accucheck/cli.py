@@ -256,7 +256,7 @@ def inspect(capture_file, pattern, step, limit, fmt):
                    "process; 1: this process only). Same verdict whatever the number")
 @click.option("--impact", "impact_file", type=click.Path(dir_okay=False),
               help="an `accucheck impact` result (-o JSON): show the share of the logit gap "
-                   "the culprit recovers (--format table, md or json)")
+                   "the culprit recovers (--format table, md, json or html)")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
          include, transforms, amplification, allow_incomplete, allow_model_mismatch, jobs,
          impact_file=None):
@@ -278,8 +278,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     if fmt == "html" and not out:
         raise UserError.usage("--format html writes a page: give -o FILE.html "
                               "(e.g. -o diff.html)")
-    if impact_file and fmt not in ("table", "md", "json"):
-        raise UserError.usage("--impact goes with --format table, md or json")
+    if impact_file and fmt == "csv":
+        raise UserError.usage("--impact goes with --format table, md, json or html")
     if impact_file:
         from accucheck.impact.join import read_impact
 
@@ -314,12 +314,14 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     if result.diff.io and result.diff.io["bytes_data"]:
         err(io_line(result.diff.io))
     if fmt == "html":
+        from accucheck.impact.join import impact_line
         from accucheck.report.html_diff import to_html
 
-        text = to_html(result)
+        text = to_html(result, impact_line(impact_data, getattr(result.culprit, "module", None),
+                                           impact_file) if impact_file else None)
     else:
         text = render(result, fmt)
-    if impact_file:
+    if impact_file and fmt != "html":
         from accucheck.impact.join import with_impact
 
         text = with_impact(text, fmt, impact_data, result.culprit, impact_file)

@@ -12,7 +12,8 @@ For each sequence length, one prefill forward (no KV cache) of the tiny Llama (4
   attention, MLP and norms, the final norm and the logits (the default before the leaves were
   recorded), plus the "in" records the producer links need;
 - accucheck stats / full, every module: the default selection (down to the leaf Linear, the
-  activation, the norms, rotary), statistics only / tensors too;
+  activation, the norms, rotary), statistics only / tensors too; and stats without the sketch
+  (accucheck.store.sketch): what it costs;
 - msprobe statistics / tensor L0 (mindstudio-probe's PrecisionDebugger, level L0: every
   module's forward inputs and outputs), when it is installed: each in a child process of its
   own (msprobe patches torch process-wide), on the same model and token ids.
@@ -127,10 +128,14 @@ def bench_accucheck(model, seq: int, repeats: int, tmp: Path) -> dict:
             ("full", select_modules(model), "full", gates)]
     if gates:  # what keeping the routing records' values costs
         runs.append(("stats, no routing values", select_modules(model), "stats", []))
+    runs.append(("stats, no sketch", select_modules(model), "stats", gates))  # what the
+    # sketch costs (accucheck.store.sketch: one log1p per element)
     for label, modules, store, keep in runs:
         path = tmp / f"bench-{label}-{seq}.h5"
         writer = CaptureWriter(path, meta={"bench": True}, store=store, force=True)
         rec = Recorder(model, writer, modules, keep=keep)
+        if label == "stats, no sketch":
+            rec.stats.sketch = False
         counter = {"req": 0}
 
         def captured():
@@ -302,6 +307,12 @@ def main() -> None:
                       f"{r['stats']['bytes_per_forward'] / 1024:.1f} KiB/forward; without "
                       f"{bare['ratio']:.2f}x (CPU {bare['cpu_ratio']:.2f}x), "
                       f"{bare['bytes_per_forward'] / 1024:.1f} KiB/forward", flush=True)
+            nosk = r["stats, no sketch"]
+            print(f"  sketch: stats mode with it {r['stats']['ratio']:.2f}x "
+                  f"(CPU {r['stats']['cpu_ratio']:.2f}x), "
+                  f"{r['stats']['bytes_per_forward'] / 1024:.1f} KiB/forward; without "
+                  f"{nosk['ratio']:.2f}x (CPU {nosk['cpu_ratio']:.2f}x), "
+                  f"{nosk['bytes_per_forward'] / 1024:.1f} KiB/forward", flush=True)
             for task in ("statistics", "tensor"):
                 v = r.get(f"msprobe {task}")
                 if isinstance(v, str):

@@ -231,6 +231,14 @@ def test_diff_shows_what_the_culprit_recovers(tiny, ref, faulty, tmp_path, capsy
         f"impact: {FAULT[0]} recovers 100.0% of the logit gap")
     code, text, _ = run(["diff", ref, cand, "--impact", imp, "--format", "json"], capsys)
     assert json.loads(text)["impact"]["site"]["site"] == FAULT[0]
+    page = tmp_path / "diff.html"
+    code, _, err = run(["diff", ref, cand, "--impact", imp, "--format", "html", "-o", page],
+                       capsys)
+    assert code == 1, err
+    html = page.read_text()
+    at = html.index('<p id="impact">')
+    assert html.index('id="culprit"') < at
+    assert html[at:].startswith(f'<p id="impact">impact: {FAULT[0]} recovers 100.0% of the logit')
     code, _, err = run(["diff", ref, cand, "--impact", imp, "--format", "csv"], capsys)
     assert code == 2 and "--impact" in one_line_error(err)
     code, _, err = run(["diff", ref, cand, "--impact", ref], capsys)

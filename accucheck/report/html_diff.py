@@ -85,8 +85,9 @@ def cell_of(key: RecordKey) -> Cell:
     return (key.step, *column(key))
 
 
-def to_html(a: Analysis) -> str:
-    """The page. Same verdict as every other format: `verdict_line(a)` verbatim."""
+def to_html(a: Analysis, impact: str | None = None) -> str:
+    """The page. Same verdict as every other format: `verdict_line(a)` verbatim. `impact`:
+    the line `diff --impact` adds (accucheck.impact.join.impact_line), under the culprit."""
     d, cu = a.diff, a.culprit  # a property that searches: once
     cells, kinds, outside = _cells(a, _marks(a, cu))
     steps = sorted({c[0] for c in cells})
@@ -102,6 +103,8 @@ def to_html(a: Analysis) -> str:
 
         culprit = "<h2>Culprit</h2><pre id=\"culprit\">" + _e(
             "\n".join(culprit_lines(cu))) + "</pre>"
+    if impact:
+        culprit += f"<p id=\"impact\">{_e(impact)}</p>"
     first = a.location.first_divergence
     start = str(first.step) if first is not None else (str(steps[0]) if steps else "all")
     data = json.dumps(blob, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
