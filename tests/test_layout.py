@@ -6,8 +6,8 @@ Stages, bottom to top: bottom (store, keys, errors, numbers, prompts, paths, cov
 package itself) < compare < verdict < report < matrix < signoff < top (cli, demo, replay,
 __main__). capture and importers are a side branch over the bottom: capture imports the bottom
 only, importers the bottom and capture; impact (swaps recorded tensors into a model run) the
-bottom and capture, and only the top layer imports it; matrix and signoff may use capture (to run engines and
-capture runs), the top layer anything.
+bottom and capture, and only signoff (its [impact] run) and the top layer import it; matrix and
+signoff may use capture (to run engines and capture runs), the top layer anything.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ ALLOWED = {
     "verdict": {"bottom", "compare", "verdict"},
     "report": {"bottom", "compare", "verdict", "report"},
     "matrix": {"bottom", "compare", "verdict", "report", "capture", "matrix"},
-    "signoff": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture"},
+    "signoff": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture",
+                "impact"},
     "top": {"bottom", "compare", "verdict", "report", "matrix", "signoff", "capture",
             "importers", "impact", "top"},
 }

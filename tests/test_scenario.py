@@ -194,3 +194,17 @@ def test_a_reduced_precision_candidate_gets_a_control_by_default(tmp_path):
     assert load_scenario(write(tmp_path, off)).control is None
     with pytest.raises(UserError, match="enabled"):
         load_scenario(write(tmp_path, off + 'dtype = "float16"\n'))
+
+
+def test_impact_needs_an_hf_candidate_and_a_full_reference():
+    s = scenario_from_dict({"prompts": ["a"], "impact": {"include": ["model.layers.*"]}})
+    assert s.impact is not None and s.impact.include == ("model.layers.*",) and s.impact.bisect == 1
+    assert scenario_from_dict({"prompts": ["a"], "impact": {"enabled": False}}).impact is None
+    assert scenario_from_dict({"prompts": ["a"]}).impact is None
+    for data, named in (({"candidate": {"runner": "vllm"}}, 'runner = "hf"'),
+                        ({"store": "stats"}, 'store = "full"'),
+                        ({"impact": {"bisect": -1}}, "impact.bisect must be >= 0"),
+                        ({"impact": {"patch": 1}}, "unknown key impact.'patch'")):
+        with pytest.raises(UserError) as e:
+            scenario_from_dict({"prompts": ["a"], "impact": {}, **data})
+        assert named in str(e.value), str(e.value)

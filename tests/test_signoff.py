@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCN = ROOT / "scenarios"
 CULPRIT = "model.layers.2.post_attention_layernorm"
 TOP_KEYS = ["schema", "schema_version", "verdict", "exit_code", "summary", "scenario", "runs",
-            "thresholds", "checks", "failed_checks", "metrics", "culprit", "first_divergence",
+            "thresholds", "checks", "failed_checks", "metrics", "culprit", "impact",
+            "first_divergence",
             "layers", "control", "suspicious", "routing", "tokens", "regression", "matrix",
             "environment", "planted_faults", "notes", "files",
             "seconds"]
@@ -108,6 +109,13 @@ def test_planted_fault_fails_with_culprit_named(fault):
     # layers before the fault are exact, the faulty layer and after are not
     layers = {p["layer"]: p for p in doc["layers"] if p["step"] == 0 and p["req"] == 0}
     assert layers[1]["rel_l2"] == 0 and layers[2]["rel_l2"] > 1e-4
+    # [impact]: the culprit's own site (bisected inside its block) recovers the whole gap
+    imp = doc["impact"]
+    assert imp["site"]["site"] == CULPRIT and imp["site"]["recovered"]["logprob"] > 0.99
+    assert imp["line"].startswith(f"impact: {CULPRIT} recovers 100.0% of the logit gap")
+    assert imp["line"] in md and doc["files"]["impact"] == "impact.json"
+    assert json.loads((out / "impact.json").read_text())["format"] == "accucheck-impact"
+    assert imp["line"] in (out / "diff.html").read_text()
     # the environment table shows the difference that matters
     env = {e["field"]: e for e in doc["environment"]}
     assert env["planted fault"]["differs"] and not env["torch"]["differs"]
@@ -242,3 +250,18 @@ def test_judging_given_captures_needs_no_torch(identical, tmp_path):
             f"assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_impact_refuses_a_statistics_only_reference_before_writing(tiny, tmp_path):
+    from accucheck.capture.runners.hf import capture_model
+    from accucheck.signoff.scenario import scenario_from_dict
+
+    model, tok = tiny
+    ref = tmp_path / "ref.h5"
+    capture_model(model, ["a b"], ref, tokenizer=tok, store="stats", max_new_tokens=1)
+    scn = scenario_from_dict({"prompts": ["a b"], "impact": {}})
+    out = tmp_path / "report"
+    with pytest.raises(UserError) as e:
+        signoff(scn, ref=ref, cand=ref, out_dir=out)
+    assert "[impact]: the reference" in str(e.value) and "--store full" in str(e.value)
+    assert not out.exists()

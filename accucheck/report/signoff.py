@@ -42,10 +42,16 @@ def write_report(result: SignoffResult, out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     diff_doc = diff_to_json(result.analysis)
     (out / "diff.json").write_text(json.dumps(diff_doc, indent=1) + "\n", encoding="utf-8")
-    (out / "diff.html").write_text(diff_to_html(result.analysis), encoding="utf-8")
+    imp = result.impact
+    (out / "diff.html").write_text(diff_to_html(result.analysis, imp and imp["line"]),
+                                   encoding="utf-8")
+    if imp is not None:
+        (out / "impact.json").write_text(json.dumps(imp["result"], indent=2) + "\n",
+                                         encoding="utf-8")
     pngs, plot_note = make_plots(result)
     files = {"json": "report.json", "markdown": "report.md", "html": "report.html",
-             "diff": "diff.json", "diff_html": "diff.html"}
+             "diff": "diff.json", "diff_html": "diff.html",
+             **({"impact": "impact.json"} if result.impact is not None else {})}
     if pngs:
         (out / "plots").mkdir(exist_ok=True)
         for name, data in pngs.items():
@@ -127,6 +133,8 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "failed_checks": [c.name for c in r.failed_checks],
         "metrics": r.metrics.as_dict(),
         "culprit": r.culprit,
+        "impact": ({k: v for k, v in r.impact.items() if k != "result"}
+                   if r.impact is not None else None),
         "first_divergence": first,
         "layers": diff_doc.get("layers", []),
         "control": ({"flagged": diff_doc["control"]["flagged"],
@@ -149,7 +157,8 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "planted_faults": r.planted_faults,
         "notes": list(r.analysis.diff.notes),
         "files": {"markdown": "report.md", "html": "report.html", "diff": "diff.json",
-                  "diff_html": "diff.html", "plots": [f"plots/{p}.png" for p in plots]},
+                  "diff_html": "diff.html", "plots": [f"plots/{p}.png" for p in plots],
+                  **({"impact": "impact.json"} if r.impact is not None else {})},
         "seconds": round(r.seconds, 3),
     }
     return _num(doc)
@@ -345,6 +354,8 @@ def divergence_lines(r: SignoffResult) -> list[str]:
         return lines
     rec = a.diff.record(fd.key)
     lines = [x.strip() for x in culprit_lines(a.culprit)]
+    if r.impact is not None:
+        lines.append(r.impact["line"])
     lines.append(f"Cause: introduced here: its output error is more than "
                  f"{number(L.amplification)}x what feeds it")
     if fd.path:

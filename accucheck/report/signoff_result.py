@@ -100,6 +100,9 @@ class SignoffResult:
     out_dir: Path | None = None
     control_path: str | None = None
     matrix: dict | None = None      # the scenario's configuration matrix (matrix.json)
+    impact: dict | None = None      # [impact]: "line" (beside the culprit), "site" (the
+                                    # culprit's patched site), "headline", "file" and
+                                    # "result" (accucheck impact's result: impact.json)
 
     @property
     def passed(self) -> bool:

@@ -41,7 +41,8 @@ from accucheck.verdict.locate import Analysis, analyze
 from accucheck.numbers import cosine, number, percent
 
 Progress = Callable[[str], None]
-REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "diff.html", "plots")
+REPORT_FILES = ("report.md", "report.html", "report.json", "diff.json", "diff.html", "plots",
+                "impact.json")
 ROLES = ("reference", "candidate", "golden", "control")
 # Headline metrics compared against the last release: name -> which direction is better.
 METRIC_DIRECTIONS = {
@@ -91,6 +92,8 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
 
         doc, check = scenario_matrix(scn, scenario_model_dir(scn), out / "matrix", log)
         result = replace(result, checks=result.checks + (check,), matrix=doc)
+    if scn.impact is not None and not result.passed:
+        result = replace(result, impact=run_impact(scn, paths, result.analysis.culprit, log))
     log(f"signoff: writing the report to {out}")
     write_report_safely(result, out)
     return replace(result, out_dir=out)
@@ -157,6 +160,10 @@ def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], re
                 pass
     if report and scn.previous is not None:
         _check_previous(scn.previous)
+    if report and scn.impact is not None and scn.reference.capture is not None:
+        from accucheck.impact.api import check_capture
+
+        check_capture(scn.reference.capture, "[impact]: the reference")
     if captured and not scn.prompts:
         raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
@@ -326,6 +333,31 @@ def scenario_model_dir(scn: Scenario) -> Path:
 
         return tiny_model_dir(arch=TINY_MODELS[scn.model])
     return Path(scn.model)
+
+
+def run_impact(scn: Scenario, paths: dict[str, Path], culprit, log: Progress) -> dict:
+    """`[impact]`: the candidate (the scenario's model, the candidate's device and dtype, its
+    planted fault) rerun with each layer block patched with the reference's tensors
+    (accucheck.impact); a full-store control gives the band. SignoffResult.impact: the line
+    beside the culprit, the culprit's site and the whole result (impact.json)."""
+    from accucheck.impact.api import ImpactOptions, impact_dir
+    from accucheck.impact.join import impact_line, site_for
+    from accucheck.store import open_capture
+
+    cand, ctl = scn.candidate, paths.get("control")
+    if ctl is not None:
+        with open_capture(ctl) as c:
+            ctl = ctl if c.store_mode == "full" else None
+    opts = ImpactOptions(device=cand.device, dtype=cand.dtype, include=scn.impact.include,
+                         control=str(ctl) if ctl else None, bisect=scn.impact.bisect,
+                         plant=((cand.fault.module, cand.fault.kind),) if cand.fault else ())
+    log("signoff: impact: patching the reference's tensors into the candidate")
+    doc = impact_dir(paths["reference"], scenario_model_dir(scn), opts,
+                     trust_remote_code=scn.trust_remote_code, progress=log).to_json()
+    module = getattr(culprit, "module", None)
+    return {"file": "impact.json", "line": impact_line(doc, module, "impact.json"),
+            "site": site_for(doc, module) if module else None,
+            "headline": doc.get("headline"), "result": doc}
 
 
 def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,

@@ -50,6 +50,13 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     # runner / device / dtype / engine_args: the reference's; max_new_tokens: the scenario's;
     # pairs = false; localise = true
 
+    [impact]                                # optional: when the sign-off fails, which module's
+                                            # difference explains the output gap (accucheck
+                                            # impact: an hf candidate, a full-store reference)
+    include = []                            # modules patched (default: the layer blocks)
+    bisect = 1                              # then the children of the block recovering most
+    # enabled = false
+
     [thresholds]                            # every key optional
     rel_l2 = 1e-3                           # per-record tolerance (default: dtype table)
     layer_rel_l2 = 1e-3                     # max rel L2 of decoder-layer outputs
@@ -160,6 +167,16 @@ class MatrixSpec:
 
 
 @dataclass(frozen=True)
+class ImpactSpec:
+    """A scenario's `[impact]`: when the sign-off fails, the reference's tensors are patched
+    into the candidate (accucheck impact, docs/impact.md) and the report says beside the
+    culprit what share of the logit gap it recovers. include: module globs to patch (default
+    the decoder layer blocks); bisect: then patch the children of this many blocks."""
+    include: tuple[str, ...] = ()
+    bisect: int = 1
+
+
+@dataclass(frozen=True)
 class Thresholds:
     """How a sign-off judges the diff. None = not checked (beyond the per-record tolerances)."""
     rel_l2: float | None = None
@@ -199,6 +216,7 @@ class Scenario:
     trust_remote_code: bool = False
     control: RunSpec | None = None
     matrix: MatrixSpec | None = None
+    impact: ImpactSpec | None = None
 
     def run(self, role: str) -> RunSpec | None:
         return {"reference": self.reference, "candidate": self.candidate,
@@ -212,7 +230,7 @@ _RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministi
 _RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither", "routing_replay"}
 _TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
              "previous", "trust_remote_code", "reference", "candidate", "golden", "control",
-             "thresholds", "matrix"} | _RUN_KEYS
+             "thresholds", "matrix", "impact"} | _RUN_KEYS
 _THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
 
@@ -314,9 +332,11 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
     name = top.get("name", str) or (path.stem if path is not None else "scenario")
     matrix = _matrix(_Reader(src, top.get("matrix", dict), "matrix."), runs["reference"],
                      mnt) if "matrix" in data else None
+    impact = _impact(_Reader(src, top.get("impact", dict), "impact."), runs) \
+        if "impact" in data else None
     return Scenario(path, name, top.get("description", str, ""), model, tuple(prompts), mnt,
                     runs["reference"], runs["candidate"], runs["golden"], previous, thr,
-                    top.get("trust_remote_code", bool, False), runs["control"], matrix)
+                    top.get("trust_remote_code", bool, False), runs["control"], matrix, impact)
 
 
 def _rel(base: Path, v: str | None) -> Path | None:
@@ -419,6 +439,23 @@ def _matrix(r: _Reader, ref: RunSpec, max_new_tokens: int) -> MatrixSpec:
                       runner, r.get("device", str, ref.device), dtype,
                       dict(r.get("engine_args", dict, ref.engine_args)),
                       max(1, r.count("max_new_tokens", max_new_tokens)))
+
+
+def _impact(r: _Reader, runs: dict) -> ImpactSpec | None:
+    """`[impact]` (None with `enabled = false`): the candidate reruns with transformers and the
+    reference's tensors are swapped in, so the candidate must be an hf run and a reference run
+    here must store its tensors."""
+    r.check_known({"enabled", "include", "bisect"})
+    if not r.get("enabled", bool, True):
+        return None
+    ref, cand = runs["reference"], runs["candidate"]
+    if cand.runner != "hf":
+        raise r.fail("enabled", f'reruns the candidate with transformers: it needs a candidate '
+                                f'with runner = "hf", not {cand.runner!r} (or enabled = false)')
+    if ref.capture is None and ref.store != "full":
+        raise r.fail("enabled", 'swaps the reference\'s tensors in: the reference needs '
+                                'store = "full"')
+    return ImpactSpec(r.strings("include"), r.count("bisect", 1))
 
 
 def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
