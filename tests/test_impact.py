@@ -297,3 +297,36 @@ def test_a_router_fault_is_recovered_at_the_router(tmp_path):
     assert rec(res, router) > 0.95 and rec(res, router, "kl") > 0.95
     assert rec(res, "model.layers.0.mlp.gate") == 0.0 and rec(res, BLOCKS[0]) == 0.0
     assert rec(res, "model.layers.2.mlp.gate") < 0.8
+
+
+def test_the_eval_view_names_the_prompts_whose_answer_differs_and_the_sites_restoring_them(
+        tiny, tmp_path):
+    """Prompts whose greedy answer leaves REF's under the fault, and per site the prompts its
+    patch restores: the faulty block restores them, the block upstream of it none."""
+    model, tok = tiny
+    prompts = PROMPTS + ["One two three four", "Numerical accuracy of", "Hello there"]
+    ref5 = capture_model(model, prompts, tmp_path / "ref.h5", tokenizer=tok, store="full",
+                         max_new_tokens=4)
+    res = impact_model(ref5, model, ImpactOptions(plant=(FAULT,), bisect=1))
+    a = res.answers()
+    assert a["prompts"] == 5 and a["differ"] == [0]
+    by = {r["site"]: r for r in a["by_site"]}
+    assert by[BLOCKS[FAULT_LAYER]]["restored"] == [0] and by[FAULT[0]]["restored"] == [0]
+    assert by[BLOCKS[0]]["restored"] == [] and by[BLOCKS[0]]["broken"] == []
+    doc = res.to_json()
+    assert doc["answers"]["differ"] == [0] and doc["prompts"][0] == prompts[0]
+    assert doc["baseline"]["answers_differ"] == [0]
+    text = render(res)
+    assert "answers: 1 of 5 prompt(s) answer otherwise than REF: #0 'The quick brown fox" in text
+    assert any(ln.split()[:3] == [BLOCKS[FAULT_LAYER], "1", "/"] for ln in text.splitlines())
+
+
+def test_an_answer_differs_only_where_a_generating_position_flips():
+    ref = log_softmax(np.array([[3.0, 0.0], [0.0, 3.0], [3.0, 0.0]]))
+    inner = np.array([[0.0, 3.0], [0.0, 3.0], [3.0, 0.0]])  # a prompt position flips
+    last = np.array([[3.0, 0.0], [0.0, 3.0], [0.0, 3.0]])   # the generating one flips
+    for cand, targets, want in ((inner, [1, 0, 1], ()), (last, [1, 0, 1], (7,)),
+                                (last, [1, 0, -1], ())):  # no next token there: not the answer
+        gs = GapSum()
+        gs.add(ref, cand, np.array(targets), 7)
+        assert gs.gap().answers == want and gs.gap().flips == 1

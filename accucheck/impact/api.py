@@ -206,7 +206,8 @@ def _measure(run: _Runs, r: CaptureReader, c: CaptureReader | None, model: nn.Mo
                       children=_bisect(run, r, c, model, rows, opts.bisect, requests, base))
     return ImpactResult(ref=str(r.path), control=str(c.path) if c is not None else None,
                         device=str(run.device), dtype=str(run.dtype).replace("torch.", ""),
-                        runs=run.count, seconds=run.seconds, bisect=opts.bisect, **result)
+                        runs=run.count, seconds=run.seconds, bisect=opts.bisect,
+                        prompts=tuple(q.prompt or "" for q in r.requests), **result)
 
 
 def _bisect(run: _Runs, r, c, model: nn.Module, rows: Sequence[SiteImpact], k: int,

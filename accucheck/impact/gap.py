@@ -6,7 +6,9 @@ Per position (every prompt position of the prefill, every decode step):
   next token, the last decode step's, have none);
 - KL(ref || cand) of the full-vocabulary distributions;
 - a flip: the two argmaxes differ.
-A gap is the mean |Δ logprob|, the mean KL and the number of flips.
+A gap is the mean |Δ logprob|, the mean KL and the number of flips; and which prompts' answers
+differ: a flip at a generating position (the last position of each step whose next token is
+one of the reference's generated tokens), where the candidate's greedy answer leaves REF's.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Gap:
     flips: int
     positions: int
     targeted: int
+    answers: tuple[int, ...] = ()  # the requests whose answer differs (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.positions < 0 or self.targeted < 0 or self.flips < 0:
@@ -49,7 +52,8 @@ class Gap:
 
     def as_dict(self) -> dict:
         return {"logprob": self.logprob, "kl": self.kl, "flips": self.flips,
-                "positions": self.positions, "targeted": self.targeted}
+                "positions": self.positions, "targeted": self.targeted,
+                "answers_differ": list(self.answers)}
 
 
 class GapSum:
@@ -61,17 +65,23 @@ class GapSum:
         self.flips = 0
         self.positions = 0
         self.targeted = 0
+        self.answers: set[int] = set()
 
-    def add(self, ref_logp: np.ndarray, cand_logits: np.ndarray, targets: np.ndarray) -> None:
+    def add(self, ref_logp: np.ndarray, cand_logits: np.ndarray, targets: np.ndarray,
+            req: int | None = None) -> None:
         """`ref_logp`: the reference's log-softmax (positions, vocab); `cand_logits`: the
         candidate's raw logits, same shape; `targets`: the forced next token per position, -1
-        where there is none."""
+        where there is none; `req`: the request (its answer differs when the step's last
+        position flips and has a target)."""
         if ref_logp.shape != cand_logits.shape:
             raise ValueError(f"logits shapes differ: {ref_logp.shape} vs {cand_logits.shape}")
         cand = log_softmax(cand_logits)
         p = np.exp(ref_logp)
         self.kl += float(np.sum(p * (ref_logp - cand)))
-        self.flips += int(np.sum(ref_logp.argmax(-1) != cand.argmax(-1)))
+        flipped = ref_logp.argmax(-1) != cand.argmax(-1)
+        self.flips += int(np.sum(flipped))
+        if req is not None and flipped.size and flipped[-1] and targets[-1] >= 0:
+            self.answers.add(req)
         self.positions += ref_logp.shape[0]
         rows = np.nonzero(targets >= 0)[0]
         if rows.size:
@@ -81,7 +91,7 @@ class GapSum:
 
     def gap(self) -> Gap:
         return Gap(self.dlp / max(self.targeted, 1), max(self.kl, 0.0) / max(self.positions, 1),
-                   self.flips, self.positions, self.targeted)
+                   self.flips, self.positions, self.targeted, tuple(sorted(self.answers)))
 
 
 def recovered(baseline: Gap, patched: Gap) -> dict[str, float | None]:

@@ -111,7 +111,7 @@ def logits_gap(ref: dict, other: dict, requests: Sequence[Request]) -> Gap:
     gs = GapSum()
     for r, req in enumerate(requests):
         for s in req.steps():
-            gs.add(ref[(r, s)], other[(r, s)], req.targets(s))
+            gs.add(ref[(r, s)], other[(r, s)], req.targets(s), r)
     return gs.gap()
 
 
@@ -265,7 +265,7 @@ def forced_pass(model: nn.Module, requests: Sequence[Request], device: torch.dev
 
         def on_logits(logits, r=r, req=req) -> None:
             lg = logits[0].detach().to("cpu", torch.float64).numpy()
-            gs.add(ref[(r, state.step)], lg, req.targets(state.step))
+            gs.add(ref[(r, state.step)], lg, req.targets(state.step), r)
         greedy_run(model, req.prompt_ids, device, len(req.generated), forced=req.generated,
                    on_step=on_step, on_logits=on_logits, causal=True, model=model)
     return gs.gap()

@@ -57,6 +57,19 @@ class ImpactResult:
     runs: int
     seconds: float
     bisect: int
+    prompts: tuple[str, ...] = ()  # REF's prompts, in request order ("" where not stored)
+
+    def answers(self) -> dict:
+        """The eval view: which prompts' greedy answers differ from REF's (baseline) and, per
+        patched site, the prompts whose answer its patch restores (and any it breaks)."""
+        differ = set(self.baseline.answers)
+        rows = []
+        for s in list(self.sites) + list(self.children):
+            got = set(s.gap.answers)
+            rows.append({"site": s.site, "level": s.level,
+                         "restored": sorted(differ - got), "broken": sorted(got - differ)})
+        rows.sort(key=lambda x: (-len(x["restored"]), len(x["broken"])))
+        return {"prompts": len(self.prompts), "differ": sorted(differ), "by_site": rows}
 
     @property
     def no_gap(self) -> bool:
@@ -101,6 +114,7 @@ class ImpactResult:
                 "bisect": {"k": self.bisect, "children": [s.as_dict() for s in self.children]},
                 "not_patchable": [{"site": s, "why": w} for s, w in self.skipped],
                 "runs": {"count": self.runs, "seconds": round(self.seconds, 3)},
+                "prompts": list(self.prompts), "answers": self.answers(),
                 "leaders": [s.site for s in self.leaders()], "headline": self.headline()}
 
     def dumps(self) -> str:
@@ -135,9 +149,42 @@ def render(res: ImpactResult) -> str:
         table = [[s.site if s.level != "child" else "  " + s.site, s.mode,
                   *(_pct(s.recovered.get(m)) for m in METRICS), _band(s)] for s in rows]
         lines.append(tabulate(table, heads, disable_numparse=True))
+    lines += answer_lines(res)
     for site, why in res.skipped:
         lines.append(f"not patchable: {site}: {why}")
     lines.append(f"{res.runs} forward run(s) (teacher-forced, every prompt and step) in "
                  f"{res.seconds:.2f} s")
     lines.append(res.headline())
     return "\n".join(lines) + "\n"
+
+
+def _prompt(res: ImpactResult, i: int) -> str:
+    text = res.prompts[i] if i < len(res.prompts) else ""
+    text = " ".join(text.split())
+    return f"#{i}" + (f" {text[:40]!r}" if text else "")
+
+
+def answer_lines(res: ImpactResult, top: int = 10) -> list[str]:
+    """The eval view as text: the prompts whose greedy answer differs from REF's, and the
+    sites whose patch restores them (site -> prompts restored)."""
+    a = res.answers()
+    if not a["differ"]:
+        return [f"answers: every prompt's greedy answer is REF's ({a['prompts']} prompt(s))"] \
+            if res.sites else []
+    out = [f"answers: {len(a['differ'])} of {a['prompts']} prompt(s) answer otherwise than REF: "
+           + ", ".join(_prompt(res, i) for i in a["differ"])]
+    rows = [r for r in a["by_site"] if r["restored"]][:top]
+    if rows:
+        from tabulate import tabulate
+
+        out.append(tabulate([[r["site"], f"{len(r['restored'])} / {len(a['differ'])}",
+                              " ".join(f"#{i}" for i in r["restored"]),
+                              " ".join(f"#{i}" for i in r["broken"]) or "-"] for r in rows],
+                            ["site", "restored", "prompts restored", "prompts broken"],
+                            disable_numparse=True))
+    restored = {i for r in a["by_site"] for i in r["restored"]}
+    lost = [i for i in a["differ"] if i not in restored]
+    if lost:
+        out.append("no patched site restores " + ", ".join(_prompt(res, i) for i in lost)
+                   + " alone (patch inside the blocks: --bisect K, or --include)")
+    return out
