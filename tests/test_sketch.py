@@ -137,3 +137,34 @@ def test_the_control_rule_measures_both_sides_from_their_sketches_or_both_from_s
 def _nothing():
     from contextlib import nullcontext
     return nullcontext()
+
+
+def test_a_device_without_float64_kernels_sketches_on_the_host(monkeypatch):
+    """An accelerator whose float64 ops fail (some NPU kernels) gets its rows sketched on the
+    CPU, from the first failure on, and the result moved back; the capture does not fail.
+    "meta" stands for the accelerator: its tensors copy to the CPU (here: the values) and
+    results move back to it."""
+    import accucheck.capture.record.stats as st
+
+    real, calls = st._sketch_device, []
+    x = torch.randn(3, 500, dtype=torch.float64)
+
+    def fake(t):
+        calls.append(t.device.type)
+        if t.device.type == "meta":
+            raise RuntimeError("float64 not supported")
+        return real(t)
+
+    class OnAccelerator:
+        shape, device = x.shape, torch.device("meta")
+
+        def cpu(self):
+            return x
+    monkeypatch.setattr(st, "_sketch_device", fake)
+    monkeypatch.setattr(st, "_sketch_on_host", set())
+    for _ in range(2):
+        out = st._sketch_rows(OnAccelerator())
+        assert out.device.type == "meta" and tuple(out.shape) == (3, 1 + 128)
+    assert calls == ["meta", "cpu", "cpu"] and st._sketch_on_host == {"meta"}
+    want = np.stack([sketch_row(r) for r in x.numpy()])
+    np.testing.assert_allclose(real(x).numpy(), want, atol=1e-12)

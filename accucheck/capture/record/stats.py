@@ -221,11 +221,28 @@ def _sketch_positions(c: int, m: int, device: torch.device) -> tuple[torch.Tenso
     return got
 
 
+_sketch_on_host: set[str] = set()  # device types whose float64 kernels failed: sketch on the CPU
+
+
 def _sketch_rows(x: torch.Tensor) -> torch.Tensor:
     """The sketch rows (accucheck.store.sketch) of each row of the 2-D float tensor `x`, as a
     float64 [rows, SKETCH_WIDTH] tensor on its device: in float64 (a float32 sketch would be
     noisier than two float32 runs' difference), in pieces of SKETCH_CHUNK elements, about ten
-    kernels per piece. A row holding a NaN or an Inf comes out NaN."""
+    kernels per piece. A row holding a NaN or an Inf comes out NaN. A device whose float64
+    kernels fail (an NPU without one of them) has its rows copied to the CPU for the sketch,
+    from the first failure on: slower, never a failed capture."""
+    kind = x.device.type
+    if kind != "cpu" and kind not in _sketch_on_host:
+        try:
+            return _sketch_device(x)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _sketch_on_host.add(kind)
+    if kind != "cpu":
+        return _sketch_device(x.cpu()).to(x.device)
+    return _sketch_device(x)
+
+
+def _sketch_device(x: torch.Tensor) -> torch.Tensor:
     r, n = x.shape
     f64 = torch.float64
     cols = max(1, min(n, SKETCH_CHUNK))
