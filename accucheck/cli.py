@@ -265,7 +265,7 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     incompatible captures."""
     from accucheck.compare.parallel import available_cores, io_line
     from accucheck.verdict.locate import analyze
-    from accucheck.report.diff import render, verdict_line
+    from accucheck.report.diff import flip_context, render, verdict_line
     from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, ToleranceTable
 
     for v, flag in ((rel_l2, "--rel-l2"), (rtol, "--rtol"), (atol, "--atol")):
@@ -317,14 +317,16 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
         from accucheck.impact.join import impact_line
         from accucheck.report.html_diff import to_html
 
-        text = to_html(result, impact_line(impact_data, getattr(result.culprit, "module", None),
-                                           impact_file) if impact_file else None)
+        text = to_html(result, impact_line(
+            impact_data, getattr(result.culprit, "module", None), impact_file,
+            flip_context(result.diff)) if impact_file else None)
     else:
         text = render(result, fmt)
     if impact_file and fmt != "html":
         from accucheck.impact.join import with_impact
 
-        text = with_impact(text, fmt, impact_data, result.culprit, impact_file)
+        text = with_impact(text, fmt, impact_data, result.culprit, impact_file,
+                           flip_context(result.diff))
     if out:
         from accucheck.paths import write_atomic
 

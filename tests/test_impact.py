@@ -258,6 +258,33 @@ def test_impact_line_says_when_the_culprit_explains_little(faulty):
     assert "it explains little: model.layers.1" in line
     assert "no culprit named" in impact_line(data, None, "i.json")
     assert "no output gap" in impact_line({**data, "no_gap": True}, FAULT[0], "i.json")
+    # what else moves the output: said beside a culprit that explains little, not otherwise
+    near = ["the token flip at request 0 step 2 is a near-tie (...)"]
+    assert line.replace(" [i.json]", "") + "; " + near[0] + " [i.json]" == impact_line(
+        data, "model.layers.1.self_attn.o_proj", "i.json", near)
+    assert near[0] not in impact_line(data, FAULT[0], "i.json", near)
+    assert near[0] in impact_line(data, None, "i.json", near)
+
+
+def test_the_context_names_a_near_tie_flip_and_a_routing_flip():
+    from types import SimpleNamespace
+
+    from accucheck.compare.results import TokenFlip
+    from accucheck.report.diff import flip_context
+
+    real = TokenFlip(0, 1, 5, 10, 11, margin=0.9, noise=0.1, generating=True, source="logits")
+    tie = TokenFlip(1, 2, 6, 10, 11, margin=0.05, noise=0.1, generating=True, source="logits")
+    assert flip_context(SimpleNamespace(flips=(real,), routing=None)) == []
+    got = flip_context(SimpleNamespace(flips=(real, tie), routing=None))
+    assert got == ["the token flip at request 1 step 2 is a near-tie (margin 0.05, logit noise "
+                   "0.1): a small difference anywhere upstream can flip it"]
+    flip = SimpleNamespace(key=SimpleNamespace(req=0, step=0, module="model.layers.1.mlp.gate",
+                                               call=0),
+                           token=3, ref_experts=(1, 5), cand_experts=(1, 6), label="real",
+                           margin=None, noise=None)
+    got = flip_context(SimpleNamespace(flips=(), routing=SimpleNamespace(first_flip=flip)))
+    assert got[0].startswith("a routing flip (r0.s0:model.layers.1.mlp.gate#0 token 3: experts "
+                             "[1, 5] -> [1, 6] (real)): other experts compute from there on")
 
 
 def test_sites_ref_did_not_record_are_listed_not_patchable(tiny, tmp_path):

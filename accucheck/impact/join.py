@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from accucheck.errors import UserError, one_line
 from accucheck.impact.result import FORMAT, VERSION
@@ -47,18 +48,22 @@ def site_for(data: dict, module: str) -> dict | None:
     return max(rows, key=lambda r: len(r["site"])) if rows else None
 
 
-def impact_line(data: dict, module: str | None, path: str | Path) -> str:
+def impact_line(data: dict, module: str | None, path: str | Path,
+                context: Sequence[str] = ()) -> str:
     """One line: what share of the logit gap the culprit `module` recovers, and when it
-    explains little, which site explains more."""
+    explains little, which site explains more. `context`: what else moves the output in this
+    diff (report.diff.flip_context: a near-tie token flip, a routing flip), said when the
+    culprit explains little or there is none."""
     src = f"[{Path(path).name}]"
+    more = "".join(f"; {c}" for c in context)
     if data.get("no_gap"):
         return f"impact: the candidate's logits match REF's: no output gap to explain {src}"
     if module is None:
-        return f"impact: no culprit named; {data.get('headline', '')} {src}"
+        return f"impact: no culprit named; {data.get('headline', '')}{more} {src}"
     row = site_for(data, module)
     if row is None:
         return (f"impact: {module} was not patched ({len(_rows(data))} sites were); "
-                f"{data.get('headline', '')} {src}")
+                f"{data.get('headline', '')}{more} {src}")
     rec = row["recovered"]
     where = module if row["site"] == module else f"{module} (its enclosing {row['site']})"
     line = (f"impact: {where} recovers {_pct(rec.get('logprob'))} of the logit gap "
@@ -70,6 +75,8 @@ def impact_line(data: dict, module: str | None, path: str | Path) -> str:
     if share is not None and share < SMALL and _score(best) > share + 0.1:
         line += (f"; it explains little: {best['site']} recovers "
                  f"{_pct(best['recovered'].get('logprob'))}")
+    if share is None or share < SMALL:
+        line += more
     return f"{line} {src}"
 
 
@@ -78,11 +85,12 @@ def _score(row: dict) -> float:
     return -1e300 if v is None else v
 
 
-def with_impact(text: str, fmt: str, data: dict, culprit, path: str | Path) -> str:
+def with_impact(text: str, fmt: str, data: dict, culprit, path: str | Path,
+                context: Sequence[str] = ()) -> str:
     """The diff report `text` with the impact line: after the culprit's lines (table, md:
     at the end), or as key "impact" (json)."""
     module = getattr(culprit, "module", None)
-    line = impact_line(data, module, path)
+    line = impact_line(data, module, path, context)
     if fmt == "json":
         doc = json.loads(text)
         row = site_for(data, module) if module else None

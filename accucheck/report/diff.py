@@ -614,3 +614,19 @@ def _logits_table(d: DiffResult, fmt: str) -> str:
         f"{' (generated)' if f.generating else ''}: ref {f.ref_token} vs cand {f.cand_token}, "
         f"{_flip_why(f)}")
     return (text + "\n" if text else "") + line
+
+
+def flip_context(d: DiffResult) -> list[str]:
+    """What can move the output besides a culprit's error, for `diff --impact`'s line
+    (accucheck.impact.join): a near-tie token flip at a generating position (any small
+    difference upstream can flip it), a routing flip (other experts compute from there on)."""
+    out = []
+    f = next((f for f in d.flips if f.near_tie), None)
+    if f is not None:
+        out.append(f"the token flip at request {f.req} step {f.step} is a near-tie (margin "
+                   f"{number(f.margin)}, logit noise {number(f.noise)}): a small difference "
+                   f"anywhere upstream can flip it")
+    if d.routing is not None and d.routing.first_flip is not None:
+        out.append(f"a routing flip ({flip_line(d.routing.first_flip)}): other experts compute "
+                   f"from there on; patch the routers (impact --include '*.mlp.gate')")
+    return out

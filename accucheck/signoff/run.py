@@ -93,7 +93,7 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
         doc, check = scenario_matrix(scn, scenario_model_dir(scn), out / "matrix", log)
         result = replace(result, checks=result.checks + (check,), matrix=doc)
     if scn.impact is not None and not result.passed:
-        result = replace(result, impact=run_impact(scn, paths, result.analysis.culprit, log))
+        result = replace(result, impact=run_impact(scn, paths, result.analysis, log))
     log(f"signoff: writing the report to {out}")
     write_report_safely(result, out)
     return replace(result, out_dir=out)
@@ -335,13 +335,15 @@ def scenario_model_dir(scn: Scenario) -> Path:
     return Path(scn.model)
 
 
-def run_impact(scn: Scenario, paths: dict[str, Path], culprit, log: Progress) -> dict:
+def run_impact(scn: Scenario, paths: dict[str, Path], analysis: Analysis, log: Progress
+               ) -> dict:
     """`[impact]`: the candidate (the scenario's model, the candidate's device and dtype, its
     planted fault) rerun with each layer block patched with the reference's tensors
     (accucheck.impact); a full-store control gives the band. SignoffResult.impact: the line
     beside the culprit, the culprit's site and the whole result (impact.json)."""
     from accucheck.impact.api import ImpactOptions, impact_dir
     from accucheck.impact.join import impact_line, site_for
+    from accucheck.report.diff import flip_context
     from accucheck.store import open_capture
 
     cand, ctl = scn.candidate, paths.get("control")
@@ -354,8 +356,9 @@ def run_impact(scn: Scenario, paths: dict[str, Path], culprit, log: Progress) ->
     log("signoff: impact: patching the reference's tensors into the candidate")
     doc = impact_dir(paths["reference"], scenario_model_dir(scn), opts,
                      trust_remote_code=scn.trust_remote_code, progress=log).to_json()
-    module = getattr(culprit, "module", None)
-    return {"file": "impact.json", "line": impact_line(doc, module, "impact.json"),
+    module = getattr(analysis.culprit, "module", None)
+    line = impact_line(doc, module, "impact.json", flip_context(analysis.diff))
+    return {"file": "impact.json", "line": line,
             "site": site_for(doc, module) if module else None,
             "headline": doc.get("headline"), "result": doc}
 
