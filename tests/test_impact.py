@@ -357,3 +357,38 @@ def test_an_answer_differs_only_where_a_generating_position_flips():
         gs = GapSum()
         gs.add(ref, cand, np.array(targets), 7)
         assert gs.gap().answers == want and gs.gap().flips == 1
+
+
+def test_noising_the_candidates_tensor_at_the_faulty_block_brings_in_its_gap(
+        tiny, ref, tmp_path, capsys):
+    """The reverse (necessity): the clean model runs as the reference device and each site
+    gets the faulty candidate's recorded tensor; the faulty block brings in the candidate's
+    whole gap, the block upstream of it none."""
+    from accucheck.capture.faults import planted
+
+    model, tok = tiny
+    cand = tmp_path / "cand.h5"
+    with planted(model, *FAULT):
+        capture_model(model, PROMPTS, cand, tokenizer=tok, store="full", max_new_tokens=4,
+                      tokens_from=str(ref))
+    res = impact_model(ref, model, ImpactOptions(noising=str(cand), bisect=1))
+    assert res.method == "noising" and res.baseline.is_zero() and not res.total.is_zero()
+    assert rec(res, BLOCKS[FAULT_LAYER]) == pytest.approx(1.0, abs=0.02)
+    assert rec(res, FAULT[0]) == pytest.approx(1.0, abs=0.02)
+    assert abs(rec(res, BLOCKS[0])) < 0.01 and rec(res, "model.layers.1.self_attn") < 0.01
+    assert res.together.recovered["logprob"] == pytest.approx(1.0, abs=0.02)
+    doc = res.to_json()
+    assert doc["method"] == "noising" and "introduced" in doc["sites"][0]
+    assert FAULT[0] in res.headline() and " introduce" in res.headline()  # with the MLP it
+    # feeds: the MLP's recorded output carries the norm's error (as in denoising)
+    from accucheck.impact.join import impact_line
+    assert impact_line(doc, FAULT[0], "n.json").startswith(
+        f"impact: {FAULT[0]} introduces 100.0% of the logit gap")
+    code, text, err = run(["impact", ref, "@tiny", "--noising", cand], capsys)
+    assert code == 0, err
+    assert text.startswith("noising: ") and "Δlogprob intro" in text
+    code, _, err = run(["impact", ref, "@tiny", "--noising", cand, "--plant",
+                        f"{FAULT[0]}=bf16"], capsys)
+    assert code == 2 and "--noising" in one_line_error(err)
+    code, _, err = run(["impact", ref, "@tiny", "--noising", tmp_path / "none.h5"], capsys)
+    assert code == 3

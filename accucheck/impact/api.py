@@ -18,7 +18,7 @@ from torch import nn
 from accucheck.capture import device as dev
 from accucheck.capture.models import check_model_dir, config_hash, load_model_dir, parse_dtype
 from accucheck.errors import UserError
-from accucheck.impact.gap import Gap, recovered
+from accucheck.impact.gap import Gap, introduced, recovered
 from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, forced_pass,
                                     load_plan, logits_gap, logits_keys, patched, plan_site,
                                     ref_logits, requests_of)
@@ -34,13 +34,16 @@ class ImpactOptions:
     globs on module paths (default: the decoder layer blocks). control: a control capture of
     REF (`capture --control-for REF`) whose tensors give each site's noise band. bisect: patch
     the children of the K blocks that recover most. plant: (module, fault) pairs planted in
-    the candidate (accucheck.capture.faults; demos and tests)."""
+    the candidate (accucheck.capture.faults; demos and tests). noising: a full capture of the
+    candidate, forced to REF's tokens: MODEL then runs as the reference device and each site
+    gets the candidate's tensor instead (the share of the candidate's gap it brings in)."""
     device: str = "cpu"
     dtype: str | None = None
     include: tuple[str, ...] = ()
     control: str | None = None
     bisect: int = 0
     plant: tuple[tuple[str, str], ...] = ()
+    noising: str | None = None
 
     def __post_init__(self) -> None:
         if self.bisect < 0:
@@ -69,11 +72,13 @@ def impact_dir(ref: str | Path, model_dir: str | Path, opts: ImpactOptions, *,
     """Check every input (REF, --control, the output path, the model directory), then load
     the model on `opts.device` in `opts.dtype` and measure (`impact_model`)."""
     if out is not None:
-        check_not_input(out, {"REF": str(ref), "--control": opts.control})
+        check_not_input(out, {"REF": str(ref), "--control": opts.control,
+                              "--noising": opts.noising})
         check_output_file(out, force)
     check_capture(ref, "REF")
-    if opts.control:
-        check_capture(opts.control, "--control")
+    for path, flag in ((opts.control, "--control"), (opts.noising, "--noising")):
+        if path:
+            check_capture(path, flag)
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
     dtype = parse_dtype(opts.dtype or "float32")
     tdev = dev.torch_device(dev.parse_device(opts.device))
@@ -92,7 +97,8 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
     with contextlib.ExitStack() as stack:
         r = stack.enter_context(open_capture(ref))
         c = stack.enter_context(open_capture(opts.control)) if opts.control else None
-        for cap, flag in ((r, "REF"), (c, "--control")):
+        n = stack.enter_context(open_capture(opts.noising)) if opts.noising else None
+        for cap, flag in ((r, "REF"), (c, "--control"), (n, "--noising")):
             if cap is not None and cap.store_mode != "full":
                 raise UserError(f"{flag} {cap.path}: it holds statistics only; capture it "
                                 f"with --store full")
@@ -101,8 +107,11 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
         if c is not None and requests_of(c) != requests:
             raise UserError(f"--control {c.path}: it follows other prompts or tokens than "
                             f"REF; make it with `accucheck capture MODEL --control-for {r.path}`")
+        if n is not None and requests_of(n) != requests:
+            raise UserError(f"--noising {n.path}: it follows other prompts or tokens than "
+                            f"REF; capture the candidate with --tokens-from {r.path}")
         run = _Runs(model, requests, ref_logits(r, requests, "REF"), say, opts.plant)
-        return _measure(run, r, c, model, opts, requests)
+        return _measure(run, r, c, model, opts, requests, n)
 
 
 class _Runs:
@@ -165,54 +174,66 @@ def _plans(model: nn.Module, cap: CaptureReader, requests, sites: Sequence[str]
 
 
 def _site(run: _Runs, r: CaptureReader, c: CaptureReader | None, plan: Plan,
-          cplan: Plan | str | None, base: Gap, level: str) -> SiteImpact:
+          cplan: Plan | str | None, base: Gap, level: str, share=recovered) -> SiteImpact:
+    """One site patched from `r` (REF; the candidate's capture when noising), and from the
+    control `c` for its band; `share(base, gap)`: recovered (denoising) or introduced."""
     run.say(f"impact: patching {plan.site} ({plan.mode}), run {run.count + 1}")
     g = run.gap([(plan, load_plan(r, plan, run.device, run.dtype))])
     band_gap = None
     if isinstance(cplan, Plan):
         band_gap = run.gap([(cplan, load_plan(c, cplan, run.device, run.dtype))])
-    return SiteImpact(plan.site, level, plan.mode, g, recovered(base, g),
-                      recovered(base, band_gap) if band_gap is not None else None,
+    return SiteImpact(plan.site, level, plan.mode, g, share(base, g),
+                      share(base, band_gap) if band_gap is not None else None,
                       None if c is None or band_gap is not None else str(cplan))
 
 
 def _measure(run: _Runs, r: CaptureReader, c: CaptureReader | None, model: nn.Module,
-             opts: ImpactOptions, requests) -> ImpactResult:
+             opts: ImpactOptions, requests, n: CaptureReader | None = None) -> ImpactResult:
+    """Denoising (REF's tensors into the candidate run) or, with `n`, noising (the
+    candidate's tensors from `n` into a reference-device run)."""
     sites = select_sites(model, opts.include)
     if not sites:
         raise UserError("no module matches --include: run `accucheck capture MODEL "
                         "--list-modules` to see the module paths")
-    plans = _plans(model, r, requests, sites)
+    src = n if n is not None else r  # whose tensors are patched in
+    plans = _plans(model, src, requests, sites)
     cplans = _plans(model, c, requests, sites) if c is not None else {}
     usable = [p for p in plans.values() if isinstance(p, Plan)]
     skipped = tuple((s, p) for s, p in plans.items() if isinstance(p, str))
     if not usable:
-        raise UserError(f"REF {r.path}: no selected site can be patched ({skipped[0][0]}: "
-                        f"{skipped[0][1]}); capture REF with --store full and the default "
+        flag = "--noising" if n is not None else "REF"
+        raise UserError(f"{flag} {src.path}: no selected site can be patched ({skipped[0][0]}: "
+                        f"{skipped[0][1]}); capture it with --store full and the default "
                         f"module selection")
     run.say(f"impact: baseline run ({len(requests)} prompt(s), teacher-forced to REF)")
     base = run.gap()
     ctl_gap = logits_gap(run.ref, ref_logits(c, requests, "--control"), requests) \
         if c is not None else None
+    total = logits_gap(run.ref, ref_logits(n, requests, "--noising"), requests) \
+        if n is not None else None
+    share, against = (introduced, total) if n is not None else (recovered, base)
     result = dict(baseline=base, control_gap=ctl_gap, skipped=skipped, sites=(), together=None,
-                  children=())
-    if not base.is_zero():
-        rows = [_site(run, r, c, p, cplans.get(p.site), base, "site") for p in usable]
+                  children=(), total=total)
+    if not against.is_zero():
+        rows = [_site(run, src, c, p, cplans.get(p.site), against, "site", share)
+                for p in usable]
         run.say(f"impact: patching all {len(usable)} sites together")
-        g = run.gap([(p, load_plan(r, p, run.device, run.dtype)) for p in usable])
-        together = SiteImpact(f"all {len(usable)} sites", "all", "-", g, recovered(base, g),
+        g = run.gap([(p, load_plan(src, p, run.device, run.dtype)) for p in usable])
+        together = SiteImpact(f"all {len(usable)} sites", "all", "-", g, share(against, g),
                               None, None)
         result.update(sites=tuple(rows), together=together,
-                      children=_bisect(run, r, c, model, rows, opts.bisect, requests, base))
+                      children=_bisect(run, src, c, model, rows, opts.bisect, requests,
+                                       against, share))
     return ImpactResult(ref=str(r.path), control=str(c.path) if c is not None else None,
                         device=str(run.device), dtype=str(run.dtype).replace("torch.", ""),
                         runs=run.count, seconds=run.seconds, bisect=opts.bisect,
-                        prompts=tuple(q.prompt or "" for q in r.requests), **result)
+                        prompts=tuple(q.prompt or "" for q in r.requests),
+                        noising=str(n.path) if n is not None else None, **result)
 
 
 def _bisect(run: _Runs, r, c, model: nn.Module, rows: Sequence[SiteImpact], k: int,
-            requests, base: Gap) -> tuple[SiteImpact, ...]:
-    """Inside the k blocks that recover most, patch each direct child module."""
+            requests, base: Gap, share=recovered) -> tuple[SiteImpact, ...]:
+    """Inside the k blocks whose share is largest, patch each direct child module."""
     blocks = [s for s in rows if s.mode == "update"]
     top = sorted(blocks, key=lambda s: -s.score())[:k]
     mods = dict(model.named_modules())
@@ -221,6 +242,6 @@ def _bisect(run: _Runs, r, c, model: nn.Module, rows: Sequence[SiteImpact], k: i
         children = [f"{b.site}.{n}" for n, _ in mods[b.site].named_children()]
         plans = _plans(model, r, requests, children)
         cplans = _plans(model, c, requests, children) if c is not None else {}
-        out += [_site(run, r, c, p, cplans.get(p.site), base, "child")
+        out += [_site(run, r, c, p, cplans.get(p.site), base, "child", share)
                 for p in plans.values() if isinstance(p, Plan)]
     return tuple(out)

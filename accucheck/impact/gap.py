@@ -103,3 +103,14 @@ def recovered(baseline: Gap, patched: Gap) -> dict[str, float | None]:
         b = baseline.value(m)
         out[m] = None if b < NO_GAP[m] else 1.0 - patched.value(m) / b
     return out
+
+
+def introduced(total: Gap, patched: Gap) -> dict[str, float | None]:
+    """Noising: the share of the candidate's whole gap (`total`, its logits against REF's) that
+    one site's tensor, patched into a reference-device run, brings in: patched / total (1 = the
+    whole gap, 0 = none); None where the total has no gap on that metric."""
+    out: dict[str, float | None] = {}
+    for m in METRICS:
+        t = total.value(m)
+        out[m] = None if t < NO_GAP[m] else patched.value(m) / t
+    return out

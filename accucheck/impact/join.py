@@ -64,24 +64,30 @@ def impact_line(data: dict, module: str | None, path: str | Path,
     if row is None:
         return (f"impact: {module} was not patched ({len(_rows(data))} sites were); "
                 f"{data.get('headline', '')}{more} {src}")
-    rec = row["recovered"]
+    noising = data.get("method") == "noising"
+    rec = row["introduced" if noising else "recovered"]
     where = module if row["site"] == module else f"{module} (its enclosing {row['site']})"
-    line = (f"impact: {where} recovers {_pct(rec.get('logprob'))} of the logit gap "
+    verb = "introduces" if noising else "recovers"
+    line = (f"impact: {where} {verb} {_pct(rec.get('logprob'))} of the logit gap "
             f"(|Δ logprob|; KL {_pct(rec.get('kl'))}, flips {_pct(rec.get('flips'))})")
     if row.get("band"):
         line += f", band {_pct(row['band'].get('logprob'))}"
     share = rec.get("logprob")
     best = max(_rows(data), key=lambda r: _score(r))
     if share is not None and share < SMALL and _score(best) > share + 0.1:
-        line += (f"; it explains little: {best['site']} recovers "
-                 f"{_pct(best['recovered'].get('logprob'))}")
+        line += (f"; it explains little: {best['site']} {verb} "
+                 f"{_pct(_share(best).get('logprob'))}")
     if share is None or share < SMALL:
         line += more
     return f"{line} {src}"
 
 
+def _share(row: dict) -> dict:
+    return row["recovered"] if "recovered" in row else row["introduced"]
+
+
 def _score(row: dict) -> float:
-    v = row["recovered"].get("logprob")
+    v = _share(row).get("logprob")
     return -1e300 if v is None else v
 
 

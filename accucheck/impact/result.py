@@ -18,8 +18,9 @@ VERSION = 1
 @dataclass(frozen=True)
 class SiteImpact:
     """One patched site. recovered / band: metric -> share of the baseline gap recovered by
-    the reference's / the control's tensor (None: no gap on that metric); band_missing: why the
-    control could not patch this site."""
+    the reference's / the control's tensor (None: no gap on that metric); when noising, the
+    share of the candidate's gap the candidate's / the control's tensor brings in. band_missing:
+    why the control could not patch this site."""
     site: str
     level: str  # "site" (selected), "child" (--bisect) or "all" (every site at once)
     mode: str  # "update" (a layer block's residual update), "output", "-" for all
@@ -36,9 +37,10 @@ class SiteImpact:
                 return v
         return -math.inf
 
-    def as_dict(self) -> dict:
+    def as_dict(self, share: str = "recovered") -> dict:
+        """`share`: the key of the share ("recovered"; "introduced" when noising)."""
         return {"site": self.site, "level": self.level, "mode": self.mode,
-                "patched_gap": self.gap.as_dict(), "recovered": self.recovered,
+                "patched_gap": self.gap.as_dict(), share: self.recovered,
                 "band": self.band, "band_missing": self.band_missing}
 
 
@@ -58,22 +60,39 @@ class ImpactResult:
     seconds: float
     bisect: int
     prompts: tuple[str, ...] = ()  # REF's prompts, in request order ("" where not stored)
+    noising: str | None = None     # the candidate's capture whose tensors were patched in
+    total: Gap | None = None       # noising: the candidate's own gap (its logits against REF's)
+
+    @property
+    def method(self) -> str:
+        return "noising" if self.noising else "denoising"
+
+    @property
+    def share_key(self) -> str:
+        return "introduced" if self.noising else "recovered"
 
     def answers(self) -> dict:
         """The eval view: which prompts' greedy answers differ from REF's (baseline) and, per
         patched site, the prompts whose answer its patch restores (and any it breaks)."""
-        differ = set(self.baseline.answers)
+        differ = set((self.total or self.baseline).answers)
         rows = []
         for s in list(self.sites) + list(self.children):
             got = set(s.gap.answers)
-            rows.append({"site": s.site, "level": s.level,
-                         "restored": sorted(differ - got), "broken": sorted(got - differ)})
-        rows.sort(key=lambda x: (-len(x["restored"]), len(x["broken"])))
+            if self.noising:  # the candidate's tensor alone makes these answers differ
+                rows.append({"site": s.site, "level": s.level,
+                             "reproduced": sorted(differ & got), "new": sorted(got - differ)})
+            else:
+                rows.append({"site": s.site, "level": s.level,
+                             "restored": sorted(differ - got), "broken": sorted(got - differ)})
+        first, second = ("reproduced", "new") if self.noising else ("restored", "broken")
+        rows.sort(key=lambda x: (-len(x[first]), len(x[second])))
         return {"prompts": len(self.prompts), "differ": sorted(differ), "by_site": rows}
 
     @property
     def no_gap(self) -> bool:
-        return self.baseline.is_zero()
+        """No gap to attribute: the candidate run matches REF (denoising); the candidate's
+        capture matches REF (noising)."""
+        return (self.total or self.baseline).is_zero()
 
     def top(self) -> SiteImpact | None:
         """The site that recovers most (children included), None without a gap."""
@@ -99,19 +118,24 @@ class ImpactResult:
                     f"nothing to recover")
         t = self.top()
         names = " and ".join(s.site for s in self.leaders())
-        verb = "recovers" if len(self.leaders()) == 1 else "each recover"
+        one = len(self.leaders()) == 1
+        verb = ("introduces" if one else "each introduce") if self.noising else \
+            ("recovers" if one else "each recover")
         return (f"{names} {verb} {_pct(t.recovered.get('logprob'))} of the |Δ logprob| gap "
                 f"({_pct(t.recovered.get('kl'))} of KL, {_pct(t.recovered.get('flips'))} of "
                 f"flips)")
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "ref": self.ref, "control": self.control,
-                "device": self.device, "dtype": self.dtype, "method": "denoising",
+                "device": self.device, "dtype": self.dtype, "method": self.method,
+                "noising": self.noising,
                 "baseline": self.baseline.as_dict(), "no_gap": self.no_gap,
+                "total": self.total.as_dict() if self.total else None,
                 "control_gap": self.control_gap.as_dict() if self.control_gap else None,
-                "sites": [s.as_dict() for s in self.sites],
-                "all_sites": self.together.as_dict() if self.together else None,
-                "bisect": {"k": self.bisect, "children": [s.as_dict() for s in self.children]},
+                "sites": [s.as_dict(self.share_key) for s in self.sites],
+                "all_sites": self.together.as_dict(self.share_key) if self.together else None,
+                "bisect": {"k": self.bisect,
+                           "children": [s.as_dict(self.share_key) for s in self.children]},
                 "not_patchable": [{"site": s, "why": w} for s, w in self.skipped],
                 "runs": {"count": self.runs, "seconds": round(self.seconds, 3)},
                 "prompts": list(self.prompts), "answers": self.answers(),
@@ -136,16 +160,28 @@ def render(res: ImpactResult) -> str:
     from tabulate import tabulate
 
     b = res.baseline
-    lines = [f"impact of {res.ref} on the candidate ({res.device}, {res.dtype}), teacher-forced:",
-             f"baseline gap: mean |Δ logprob| {number(b.logprob)} over {b.targeted} tokens, "
-             f"mean KL {number(b.kl)} over {b.positions} positions, {b.flips} token flip(s)"]
+    if res.noising:
+        t = res.total
+        lines = [f"noising: {res.noising}'s tensors patched into a reference-device run "
+                 f"({res.device}, {res.dtype}), teacher-forced to {res.ref}:",
+                 f"the candidate's gap: mean |Δ logprob| {number(t.logprob)} over {t.targeted} "
+                 f"tokens, mean KL {number(t.kl)} over {t.positions} positions, {t.flips} token "
+                 f"flip(s)",
+                 f"the rerun's own gap (nothing patched): mean |Δ logprob| {number(b.logprob)}, "
+                 f"mean KL {number(b.kl)}, {b.flips} flip(s)"]
+    else:
+        lines = [f"impact of {res.ref} on the candidate ({res.device}, {res.dtype}), "
+                 f"teacher-forced:",
+                 f"baseline gap: mean |Δ logprob| {number(b.logprob)} over {b.targeted} tokens, "
+                 f"mean KL {number(b.kl)} over {b.positions} positions, {b.flips} token flip(s)"]
     if res.control_gap is not None:
         g = res.control_gap
         lines.append(f"control's own gap: mean |Δ logprob| {number(g.logprob)}, mean KL "
                      f"{number(g.kl)}, {g.flips} flip(s)")
     rows = list(res.sites) + ([res.together] if res.together else []) + list(res.children)
     if rows:
-        heads = ["site", "patch", "Δlogprob rec", "KL rec", "flips rec", "band (lp / KL / fl)"]
+        x = "intro" if res.noising else "rec"
+        heads = ["site", "patch", f"Δlogprob {x}", f"KL {x}", f"flips {x}", "band (lp / KL / fl)"]
         table = [[s.site if s.level != "child" else "  " + s.site, s.mode,
                   *(_pct(s.recovered.get(m)) for m in METRICS), _band(s)] for s in rows]
         lines.append(tabulate(table, heads, disable_numparse=True))
@@ -173,18 +209,20 @@ def answer_lines(res: ImpactResult, top: int = 10) -> list[str]:
             if res.sites else []
     out = [f"answers: {len(a['differ'])} of {a['prompts']} prompt(s) answer otherwise than REF: "
            + ", ".join(_prompt(res, i) for i in a["differ"])]
-    rows = [r for r in a["by_site"] if r["restored"]][:top]
+    first, second = ("reproduced", "new") if res.noising else ("restored", "broken")
+    rows = [r for r in a["by_site"] if r[first]][:top]
     if rows:
         from tabulate import tabulate
 
-        out.append(tabulate([[r["site"], f"{len(r['restored'])} / {len(a['differ'])}",
-                              " ".join(f"#{i}" for i in r["restored"]),
-                              " ".join(f"#{i}" for i in r["broken"]) or "-"] for r in rows],
-                            ["site", "restored", "prompts restored", "prompts broken"],
+        out.append(tabulate([[r["site"], f"{len(r[first])} / {len(a['differ'])}",
+                              " ".join(f"#{i}" for i in r[first]),
+                              " ".join(f"#{i}" for i in r[second]) or "-"] for r in rows],
+                            ["site", first, f"prompts {first}", f"prompts {second}"],
                             disable_numparse=True))
-    restored = {i for r in a["by_site"] for i in r["restored"]}
-    lost = [i for i in a["differ"] if i not in restored]
+    done = {i for r in a["by_site"] for i in r[first]}
+    lost = [i for i in a["differ"] if i not in done]
     if lost:
-        out.append("no patched site restores " + ", ".join(_prompt(res, i) for i in lost)
+        verb = "reproduces" if res.noising else "restores"
+        out.append(f"no patched site {verb} " + ", ".join(_prompt(res, i) for i in lost)
                    + " alone (patch inside the blocks: --bisect K, or --include)")
     return out
