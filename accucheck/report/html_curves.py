@@ -58,7 +58,7 @@ def _curves(a: Analysis) -> str:
     out = _chart("curves", groups, (tol, "tolerance") if tol > 0 else None)
     band = _control_groups(held, reqs)
     if band:
-        out += ("<h3>Candidate against the control runs (mean elementwise relative error at "
+        out += ("<h3>Candidate against the control runs (elementwise relative error at "
                 "the layer outputs; the band: the controls', for the step and request picked "
                 "above)</h3>" + _chart("control-curves", band, None))
     return out

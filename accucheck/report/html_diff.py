@@ -304,7 +304,8 @@ def _control(r: RecordDiff) -> str | None:
     if not r.control:
         return None
     return (f"cand {number(r.elem_error)}; controls " + ", ".join(number(c) for c in r.control)
-            + " (mean elementwise relative error)")
+            + (" (RMS elementwise error, from the sketches)" if r.sketch is not None
+               else " (mean elementwise relative error)"))
 
 
 def _notes(r: RecordDiff) -> list[str | None]:

@@ -41,8 +41,9 @@ def control_lines(v: NoiseVerdict, fmt: str) -> list[str]:
 
     k = len(v.controls)
     lines = [f"{k} control run{'s' if k > 1 else ''}: {', '.join(v.controls)}. Ratio = the "
-             f"candidate's mean elementwise relative error / the controls'; excess = ratio "
-             f"over the ratio of what feeds it, geometric mean over a site's records."]
+             f"candidate's elementwise relative error / the controls' (their mean; the RMS "
+             f"from the sketches in the stats store); excess = ratio over the ratio of what "
+             f"feeds it, geometric mean over a site's records."]
     shown = list(v.flagged[:MAX_SITES]) or list(v.sites[:3])
     if not v.flagged:
         lines.append("No site is more than noise; the closest:")

@@ -408,7 +408,7 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
                 " * over tolerance)", "", _md_table(head, rows), ""]
     head, rows, _ = control_rows(r)
     if rows:
-        out += ["## Candidate / control per layer (mean elementwise relative error ratio; "
+        out += ["## Candidate / control per layer (elementwise relative error ratio; "
                 "excess: over what feeds it, more than noise above its kind's threshold)", "",
                 _md_table(head, rows), ""]
     head, rows, _ = matrix_rows(r)

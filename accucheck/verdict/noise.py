@@ -6,8 +6,9 @@ A control run (compare.control) is the reference's code at the candidate's preci
 trusted device: its error against the reference is what that precision costs by itself, in
 every record. The candidate is compared with it record by record:
 
-- errors are `RecordDiff.elem_error` (the mean elementwise relative error; every element
-  counts once, so the massive activations that dominate rel_l2 of a residual stream do not
+- errors are `RecordDiff.elem_error` (the mean elementwise relative error; in the stats store
+  the RMS of the elementwise errors from the records' sketches, accucheck.store.sketch; every
+  element counts once, so the massive activations that dominate rel_l2 of a residual stream do not
   make the ratio jump between two equally good runs); below CONTROL_ERROR_FLOOR x the
   record's tolerance an error counts as that floor;
 - ratio = candidate error / expected error (the mean over the control runs);
