@@ -53,6 +53,16 @@ void accucheck_sketch_init(void) {
     }
 }
 
+/* z = sign(x) log1p(|x| inv) of a block of values. With ACCUCHECK_MVEC (stats.py builds with
+ * it where glibc's vector math library links, plus -fno-math-errno) the loop calls libmvec's
+ * vector log1p (<= 4 ulp: the sketch needs ~1e-12), about 5x faster than the scalar one. */
+#ifdef ACCUCHECK_MVEC
+extern double log1p(double) __attribute__((simd("notinbranch")));
+#endif
+static void sketch_z(const double *x, int64_t m, double inv, double *z) {
+    for (int64_t r = 0; r < m; r++) z[r] = copysign(log1p(fabs(x[r]) * inv), x[r]);
+}
+
 /* The sketch row of x (LOAD(x, i): element i as a double) into out[0..SKETCH]; q: the sum of
  * squares, bad: a NaN or an Inf is present. Groups of 128 aligned positions share G and H. */
 #define SKETCH_PASS(x, n, q, bad, out, LOAD)                                                     \
@@ -69,11 +79,11 @@ void accucheck_sketch_init(void) {
                 double sh_ = TSH[hi_];                                                           \
                 const double *sl_ = TSL + (g_ & 65535);                                          \
                 int64_t m_ = (n) - g_ < 128 ? (n) - g_ : 128;                                    \
-                for (int64_t r_ = 0; r_ < m_; r_++) {                                            \
-                    double xv_ = LOAD(x, g_ + r_);                                               \
-                    double z_ = copysign(log1p(fabs(xv_) * inv_), xv_);                          \
-                    (out)[1 + ((int32_t)r_ ^ v_)] += sh_ * sl_[r_] * z_;                         \
-                }                                                                                \
+                double xv_[128], z_[128];                                                        \
+                for (int64_t r_ = 0; r_ < m_; r_++) xv_[r_] = LOAD(x, g_ + r_);                  \
+                sketch_z(xv_, m_, inv_, z_);                                                     \
+                for (int64_t r_ = 0; r_ < m_; r_++)                                              \
+                    (out)[1 + ((int32_t)r_ ^ v_)] += sh_ * sl_[r_] * z_[r_];                     \
             }                                                                                    \
         }                                                                                        \
     } while (0)
