@@ -143,6 +143,34 @@ def test_an_estimated_site_is_the_origin_further_below_its_threshold():
     assert full.culprit.module == "model.layers.6.mlp.down_proj"
 
 
+def test_a_feeder_standing_out_of_a_quiet_kind_is_the_origin_under_the_floor():
+    """Every norm damps what it is fed (x0.8 the control's error over its input, in every
+    layer); layer 6's norm is faulty and passes its input on undamped (x1.0: z over 5 above
+    its kind, but under 0.9 of the 1.15 floor); the down_proj it feeds adds x1.3 and crosses.
+    The norm stands out of its kind as a flagged site does, short only of the floor: it is
+    the origin. Measured: a norm fault at x2 its noise in the gpu device (layer 14) stood so,
+    and the gate_proj it feeds was named (bench/bench_devices.py). Standing out of its kind
+    counts against the layers before it too: a fault damps the norms after it (the decode
+    attention fault of the next test lifts the norm before it by z, and is not blamed on it)."""
+    errors = {}
+    for req in (0, 1):
+        fed = 1.0
+        for layer in range(LAYERS):
+            norm = fed * (1.0 if layer == 6 else 0.8)
+            fed = max(1.0, norm) * (1.3 if layer == 6 else 1.0)
+            errors[(req, layer, "norm")], errors[(req, layer, "down")] = norm, fed
+    a = _chain(errors)
+    noise = a.location.noise
+    assert [s.site for s in noise.flagged] == ["model.layers.6.mlp.down_proj#0:out.0"]
+    norm = next(s for s in noise.sites if s.site.startswith("model.layers.6.post_attention"))
+    assert norm.excess < 0.9 * norm.threshold and norm.z >= 5
+    assert a.culprit.module == "model.layers.6.post_attention_layernorm"
+    assert a.culprit.origin_of == "model.layers.6.mlp.down_proj#0:out.0"
+    # the same norm inside a kind that does not damp (x1.0 everywhere) is not out of it
+    quiet = _fault_at_6(1.0, 1.3)
+    assert quiet.culprit.module == "model.layers.6.mlp.down_proj"
+
+
 def _attention_steps(raised: dict[tuple[int, int, int, str], float]) -> Analysis:
     """Two requests, steps 0-2, LAYERS layers of input_layernorm -> q / k / v_proj -> the
     attention core (o_proj's input, made by self_attn's code no record covers) -> o_proj ->

@@ -91,7 +91,8 @@ CONTROL_SPREAD_FLOOR = 0.03
 CONTROL_PEERLESS_SPREAD = 0.1
 CONTROL_ERROR_FLOOR = 0.01
 # a site upstream of the first one more than noise, in its layer, that feeds it and stands at
-# least this fraction of its own threshold is named as the origin (verdict.noise)
+# least this fraction of its own threshold (or CONTROL_Z spreads over its kind with an excess of
+# at least this fraction of 1) is named as the origin (verdict.noise.origin)
 CONTROL_ORIGIN = 0.9
 # ... and this fraction where the site's errors are sampled estimates (stats store): a SiLU fault
 # inside the npu device at x2 its noise stood at 0.88 of its threshold (its estimates vary

@@ -39,7 +39,8 @@ Named: the flagged site's first record, in execution order, whose own excess is 
 site's threshold (else its largest). The first flagged site in the forward pass (where the site
 first runs, not where its named record is), or its origin (`origin`: the earliest site of its
 layer that feeds it and stands within CONTROL_ORIGIN of its own threshold, or
-CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates), is the first
+CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates, or stands CONTROL_Z spreads
+over its kind with an excess of at least that fraction of 1), is the first
 divergence (`NoiseVerdict.lead`); the
 dtype tolerance then does not decide (the control answers "more than noise?"; a golden
 answers "who is closer to the truth?"; the tolerance table is the fallback without either).
@@ -140,10 +141,16 @@ def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocat
     """The site named for the first site more than noise: itself, or the earliest site of its
     layer that feeds it (verdict.flow's feeders, followed back within the layer) and stands
     within its `origin` fraction of its own threshold (NoiseSite.origin: CONTROL_ORIGIN, or
-    CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates). Excess is not conserved
-    through a layer: a faulty RMSNorm's error can stand out more at the Linear it feeds than
-    at its own output, against each one's noise, so the Linear crosses its threshold first;
-    naming it would blame the module downstream of the fault (measured: bench/bench_control.py, docs/control.md)."""
+    CONTROL_ORIGIN_ESTIMATED where its errors are sampled estimates), or that stands
+    CONTROL_Z spreads over its kind (as a flagged site does) with an excess of at least that
+    fraction of 1: what a flagged site misses only by the CONTROL_MIN_RATIO floor. Excess is
+    not conserved through a layer: a faulty RMSNorm's error can stand out more at the Linear
+    it feeds than at its own output, against each one's noise, so the Linear crosses its
+    threshold first; naming it would blame the module downstream of the fault (measured:
+    bench/bench_control.py, docs/control.md). A norm's kind can sit well below the control
+    (a norm damps what it is fed): a norm fault at x2 its noise in the gpu device, layer 14,
+    stood at excess x1.0, z over 5 above its kind, under 0.9 of the 1.15 floor, and the
+    gate_proj it feeds was named (bench/bench_devices.py, stats and full store, one control)."""
     layer = layer_of(first.key.module)
     if layer is None:
         return first
@@ -161,10 +168,27 @@ def origin(first: NoiseSite, sites: list[NoiseSite], locs: dict[str, RecordLocat
                 continue
             todo.append(f)
             s = by_site.get(fk.site)
-            if s is not None and s.excess >= s.origin * s.threshold \
-                    and place[s.site] < place[first.site]:
+            if s is not None and place[s.site] < place[first.site] and _stands(s, sites):
                 found.append(s)
     return min(found, key=lambda s: place[s.site]) if found else first
+
+
+def _stands(s: NoiseSite, sites: list[NoiseSite]) -> bool:
+    """Whether a feeder of the first flagged site is its origin (see `origin`): within its
+    origin fraction of its threshold, or CONTROL_Z spreads over its kind both around it and in
+    the CONTROL_WINDOW layers before it, with an excess of at least that fraction of 1. The
+    layers after a fault are no measure of its kind's noise: a norm damps what it is fed, so
+    the norms after a fault sit below the control and lift every norm before them by z."""
+    if s.excess >= s.origin * s.threshold:
+        return True
+    if s.z < CONTROL_Z or s.excess < s.origin:
+        return False
+    layer = layer_of(s.key.module)
+    before = [math.log(t.excess) for t in sites if t.kind == s.kind and t.excess > 0
+              and (ly := layer_of(t.key.module)) is not None
+              and layer - CONTROL_WINDOW <= ly < layer]
+    location = min(statistics.median(before), 0.0) if before else 0.0
+    return math.log(s.excess) - location >= CONTROL_Z * s.spread
 
 
 def layer_ratios(v: NoiseVerdict) -> list[tuple[int, float, float, str]]:

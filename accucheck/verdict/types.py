@@ -206,8 +206,8 @@ class NoiseVerdict:
     sites: tuple[NoiseSite, ...]         # largest z first
     flagged: tuple[NoiseSite, ...]       # forward-pass order of the sites
     # the divergence: flagged[0], or the site upstream of it in its layer that feeds it and is
-    # within its `origin` fraction of its own threshold (verdict.noise, "origin"); None: nothing
-    # flagged
+    # within its `origin` fraction of its own threshold, or stands CONTROL_Z over its kind
+    # (verdict.noise.origin); None: nothing flagged
     lead: NoiseSite | None = None
     lead_of: NoiseSite | None = None     # the flagged site `lead` is the origin of, if another
 
