@@ -174,7 +174,10 @@ class _Group:
         feeds it: an MLP's input (the norm's output) is at another scale than its output, and
         its absolute error would hide a fault in the MLP's own code. 0.0 when an error is not
         known absolutely (stats)."""
-        keys = {k for _, k in feeders if k in self.absd}  # this request and step
+        # this request and step; in feeder order: a sum over a set would run in the order of
+        # the keys' string hashes, which changes with every process (PYTHONHASHSEED), and three
+        # or more addends then differ in their last bit from run to run
+        keys = list(dict.fromkeys(k for _, k in feeders if k in self.absd))
         own = self.absd.get(str(r.key))
         if own is None or not r.error or any(self.absd[k] is None for k in keys):
             return 0.0
