@@ -254,12 +254,17 @@ def inspect(capture_file, pattern, step, limit, fmt):
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="processes measuring the records (default: the cores available to this "
                    "process; 1: this process only). Same verdict whatever the number")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="measure the records as Ray tasks: 'local' (a Ray on this machine), "
+                   "'auto' or HOST:PORT (a cluster whose nodes see the capture paths); --jobs "
+                   "then caps the tasks (default: the cluster's CPUs). Same verdict; needs "
+                   "pip install 'accucheck[ray]'")
 @click.option("--impact", "impact_file", type=click.Path(dir_okay=False),
               help="an `accucheck impact` result (-o JSON): show the share of the logit gap "
                    "the culprit recovers (--format table, md, json or html)")
 def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overrides, steps,
          include, transforms, amplification, allow_incomplete, allow_model_mismatch, jobs,
-         impact_file=None):
+         ray_address=None, impact_file=None):
     """Compare CAND against REF: exit 0 within tolerance (with --control: within the
     control's noise), 1 divergence found, 2 usage error, 3 unreadable / incomplete /
     incompatible captures."""
@@ -308,7 +313,8 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
                      tolerances=tol, steps=steps or None, include=include,
                      allow_incomplete=allow_incomplete, progress=progress,
                      allow_model_mismatch=allow_model_mismatch, controls=controls,
-                     transforms=declared, jobs=jobs or available_cores())
+                     transforms=declared, ray=ray_address,
+                     jobs=jobs or (None if ray_address else available_cores()))
     while head:
         err(head.pop())
     if result.diff.io and result.diff.io["bytes_data"]:

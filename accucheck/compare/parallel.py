@@ -1,7 +1,8 @@
 """The record pairs of a diff measured by a pool of processes, which pairs must be read at all
 (`unread_pair`: equal content hashes), and the bytes a diff reads.
 Imports errors, store and compare.mapping; never torch, never compare.diff (its _Differ comes
-in the worker's spec, by reference).
+in the worker's spec, by reference). compare.ray_tasks runs the same chunks (`chunk_ranges`)
+through the same worker functions (`worker_init`, `worker_run`) as Ray tasks.
 
 `measure(differ, work, total)` -> `[(RecordDiff, LogitsStep | None)]`, one per work item, in
 the work's order: what `differ.measure_serial(work, total)` returns, bit for bit, since each
@@ -54,12 +55,12 @@ def measure(differ, work: Sequence[tuple], total: int) -> list:
     """Every work item `(pair number, ref row, cand row, golden row, shadow row)` measured, in
     order: in a pool of `differ.jobs` processes, or in this process (see the module
     docstring). Adds the pool's bytes read, unread pairs and transform counts to `differ`."""
-    costs = [_cost(differ, w) for w in work]
-    spec = _spec(differ)
+    costs = [pair_cost(differ, w) for w in work]
+    spec = worker_spec(differ)
     if (differ.jobs <= 1 or spec is None or len(work) < 2 or not _main_importable()
             or sum(c for c in costs if c > SMALL_PAIR_BYTES) < MIN_PARALLEL_BYTES):
         return differ.measure_serial(work, total)
-    chunks = _chunks(costs, differ.jobs * CHUNKS_PER_JOB)
+    chunks = chunk_ranges(costs, differ.jobs * CHUNKS_PER_JOB)
     return _pool(differ, spec, work, chunks, total)
 
 
@@ -82,7 +83,7 @@ def _main_importable() -> bool:
     return path is None or os.path.exists(path)
 
 
-def _cost(differ, w: tuple) -> int:
+def pair_cost(differ, w: tuple) -> int:
     _n, ra, ca, grow, shadow = w
     if not (ra.has_data and ca.has_data) or unread_pair(ra, ca, grow, shadow, differ.transforms):
         return SMALL_PAIR_BYTES
@@ -90,7 +91,7 @@ def _cost(differ, w: tuple) -> int:
         nbytes(ra) + nbytes(shadow) if shadow is not None else 0)
 
 
-def _chunks(costs: Sequence[int], n: int) -> list[range]:
+def chunk_ranges(costs: Sequence[int], n: int) -> list[range]:
     """Contiguous ranges of work items of about sum(costs) / n each (at least one item)."""
     target = max(1, sum(costs) // max(n, 1))
     out, start, acc = [], 0, 0
@@ -116,7 +117,7 @@ def _file(x):
     return str(inner.path.resolve()), mapped
 
 
-def _spec(differ) -> dict | None:
+def worker_spec(differ) -> dict | None:
     sides = {name: _file(x) for name, x in (("R", differ.R), ("C", differ.C), ("G", differ.G))
              if x is not None}
     if any(v is None for v in sides.values()):
@@ -128,36 +129,29 @@ def _spec(differ) -> dict | None:
 
 def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total: int) -> list:
     results: list = [None] * len(chunks)
-    done = read = 0
+    done, read0 = 0, differ.bytes_read
     start = said = time.perf_counter()
     try:
         ex = ProcessPoolExecutor(max_workers=min(differ.jobs, len(chunks)),
-                                 mp_context=_context(), initializer=_init, initargs=(spec,))
+                                 mp_context=_context(), initializer=worker_init, initargs=(spec,))
     except OSError:  # no processes here (a sandbox without semaphores): this process then
         return differ.measure_serial(work, total)
     differ.processes = min(differ.jobs, len(chunks))
     if differ.progress:
         differ.progress(f"diff: 0/{total} records ({differ.processes} processes)")
     try:
-        pending = {ex.submit(_run, i, [work[j][1:] for j in c]): i for i, c in enumerate(chunks)}
+        pending = {ex.submit(worker_run, i, [work[j][1:] for j in c]): i for i, c in enumerate(chunks)}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 i = pending.pop(f)
-                out, nread, unread, applied, cpu = f.result()  # a worker's UserError here
-                results[i] = out
-                done += len(out)
-                read += nread
-                differ.bytes_read += nread
-                differ.unread += unread
-                differ.cpu_s += cpu
-                for text, (a, b) in applied.items():
-                    differ._applied[text][0] += a
-                    differ._applied[text][1] += b
+                results[i] = merge(differ, f.result())  # a worker's UserError here
+                done += len(results[i])
             now = time.perf_counter()
             if differ.progress and now - said >= 2.0:  # compare.diff.PROGRESS_EVERY_S
                 said = now
-                differ.progress(progress_line(done, total, read, now - start))
+                differ.progress(progress_line(done, total, differ.bytes_read - read0,
+                                                now - start))
     except BrokenProcessPool:
         raise UserError(f"a diff worker process died (killed, or out of memory?) before "
                         f"{len(work) - done} of {len(work)} record pairs were measured: no "
@@ -166,6 +160,18 @@ def _pool(differ, spec: dict, work: Sequence[tuple], chunks: list[range], total:
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
     return [r for out in results for r in out]
+
+
+def merge(differ, chunk: tuple) -> list:
+    """A chunk's result (`worker_run`) added to `differ`'s counts; returns its measured pairs."""
+    out, nread, unread, applied, cpu = chunk
+    differ.bytes_read += nread
+    differ.unread += unread
+    differ.cpu_s += cpu
+    for text, (a, b) in applied.items():
+        differ._applied[text][0] += a
+        differ._applied[text][1] += b
+    return out
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
@@ -249,11 +255,14 @@ def _size(n: int) -> str:
 _WORKER: dict = {}
 
 
-def _init(spec: dict) -> None:
-    """A worker's own readers of the captures and its own _Differ (kept for every chunk)."""
+def worker_init(spec: dict) -> None:
+    """A worker's own readers of the captures and its own _Differ (kept for every chunk; a
+    worker that serves another diff, as a Ray worker does, closes the previous ones)."""
     from accucheck.compare.mapping import maybe_mapped
     from accucheck.store import open_capture
 
+    for r in _WORKER.pop("readers", {}).values():
+        r.close()
     readers = {}
     for name, (path, mapped) in spec["sides"].items():
         r = open_capture(path, allow_incomplete=True)  # the parent checked it
@@ -261,9 +270,10 @@ def _init(spec: dict) -> None:
     _WORKER["differ"] = spec["differ"](readers["R"], readers["C"], readers.get("G"), spec["tol"],
                                 None, (), spec["max_elems"], None, spec["transforms"])
     _WORKER["die"] = int(spec["die"]) if spec.get("die") else None
+    _WORKER["readers"], _WORKER["token"] = readers, spec.get("token")
 
 
-def _run(index: int, items: list[tuple]) -> tuple:
+def worker_run(index: int, items: list[tuple]) -> tuple:
     """One chunk: the pairs' (RecordDiff, LogitsStep | None), bytes read, pairs not read, the
     transforms' (applied, statistics only) counts of this chunk, and its CPU seconds."""
     if _WORKER.get("die") is not None and index == _WORKER["die"]:
