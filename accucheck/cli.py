@@ -98,6 +98,9 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
               help="make a control run of this reference capture: its prompts, tokens, store "
                    "mode, module selection and steps, here at --dtype (default: the "
                    "reference's), eager; for `diff --control`")
+@click.option("--plain-control", is_flag=True,
+              help="with --control-for: the CPU's own rounding, no one-ULP dither (stricter: "
+                   "flags a device that rounds less carefully than round-to-nearest)")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None)
 @click.option("--compile-backend", default=None,
               help="torch.compile backend for --mode graph (default inductor, on NPU too; "
@@ -113,9 +116,9 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--force", is_flag=True, help="overwrite the output file")
 def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_file,
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
-            routing_from, routing_weights, control_for, compression, compile_backend,
-            observer_check, engine_args, trust_remote_code, list_modules, force, level="module",
-            shadow=None):
+            routing_from, routing_weights, control_for, plain_control, compression,
+            compile_backend, observer_check, engine_args, trust_remote_code, list_modules, force,
+            level="module", shadow=None):
     """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
     for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
     from accucheck.capture.options import CaptureOptions, check_runner
@@ -132,6 +135,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           routing_from=routing_from, routing_weights=routing_weights)
     engine = _engine_args(engine_args)
     check_runner(opts, runner, engine)  # every flag clash, exit 2, before anything is read
+    if plain_control and not control_for:
+        raise UserError.usage("--plain-control goes with --control-for REF")
     model_dir = _model_dir(model)
     if list_modules:
         from accucheck.capture.runners.hf import list_modules as lm
@@ -151,7 +156,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                                   "reference and runs hf eager: leave out --prompt / "
                                   "--prompts / --tokens-from / --shadow / --runner / --mode")
         src = click.get_current_context().get_parameter_source("dtype")
-        plist, opts = control_run(control_for, opts,
+        plist, opts = control_run(control_for, opts, plain=plain_control,
                                   dtype_given=src != click.core.ParameterSource.DEFAULT)
     else:
         from accucheck.prompts import read_prompts

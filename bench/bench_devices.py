@@ -5,7 +5,8 @@ table of docs/control.md ("Correct devices").
 
     python bench/bench_devices.py [--pairs 12] [--first-pair 0] [--devices gpu,npu,mixed,dither]
         [--stores stats,full] [--faults | --only-faults] [--fault-layers 4,14,24]
-        [--strengths 0.5,1.25,2,4] [--columns fp32 ref,bf16 ref,control,2 controls]
+        [--strengths 0.5,1.25,2,4]
+        [--columns fp32 ref,bf16 ref,control,2 controls,plain control]
         [--controls 1] [--json rows.json]
 
 Clean pairs: pair k (--prompts-per-pair prompts, default 2, of a pool of 48 with prefixed
@@ -13,7 +14,9 @@ variants once it is used up; 2 decode steps) captured as
 - the references: float32 and bfloat16 on the CPU (HF, sdpa attention: transformers' default);
 - the control: bfloat16 on the CPU with a dither of its own seed (what `--control-for` makes,
   on a device that rounds its own way), and a second one with another seed (column
-  "2 controls");
+  "2 controls"); column "plain control": the bfloat16 reference above as the one control,
+  exactly what `capture --control-for` and `diff --control auto` make (the CPU's kernels, no
+  dither);
 - the candidate: bfloat16 on emulated device D (seed k), teacher-forced to the float32
   reference's tokens.
 A clean pair is a false alarm when the verdict exits 1, names a culprit or a SUSPICIOUS record
@@ -140,7 +143,7 @@ def pair_prompts(k: int, per_pair: int) -> list[str]:
     return out
 
 
-COLUMNS = ("fp32 ref", "bf16 ref", "control", "2 controls")
+COLUMNS = ("fp32 ref", "bf16 ref", "control", "2 controls", "plain control")
 
 
 def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
@@ -152,15 +155,15 @@ def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
             tag = f"p{k}x{per_pair}"
             r32 = runs.capture(f"{tag}-ref32", prompts, store, dtype="float32")
             r16 = runs.capture(f"{tag}-ref16", prompts, store, ref=r32) \
-                if "bf16 ref" in columns else None
+                if {"bf16 ref", "plain control"} & set(columns) else None
             ctl = runs.capture(f"{tag}-ctl", prompts, store, device="dither", seed=1000 + k,
-                               ref=r32)
+                               ref=r32) if {"control", "2 controls"} & set(columns) else None
             ctl2 = runs.capture(f"{tag}-ctl2", prompts, store, device="dither",
                                 seed=2000 + k, ref=r32) if "2 controls" in columns else None
             for dev in devices:
                 cand = runs.capture(f"{tag}-{dev}", prompts, store, device=dev, seed=k, ref=r32)
                 how = {"fp32 ref": (r32, ()), "bf16 ref": (r16, ()), "control": (r32, (ctl,)),
-                       "2 controls": (r32, (ctl, ctl2))}
+                       "2 controls": (r32, (ctl, ctl2)), "plain control": (r32, (r16,))}
                 row = {"pair": k, "store": store, "device": dev}
                 row.update({m: judge(how[m][0], cand, how[m][1]) for m in columns})
                 rows.append(row)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from accucheck.cli import main
@@ -22,10 +23,10 @@ def run(args, capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def files(tiny, tiny_dir, tmp_path_factory):
-    """ref (fp32, CLI), ctl (capture --control-for, CLI: plain bf16 on the CPU), a clean bf16
-    candidate and one with a fault, teacher-forced. The candidates round as the control does
-    (plain bf16): a candidate that rounds otherwise needs a control that does too (the dithered
-    runs of tests/test_control.py); here the clean one may even be bitwise the control."""
+    """ref (fp32, CLI), ctl (capture --control-for --plain-control, CLI: plain bf16 on the
+    CPU), dctl (the default control: dithered), a clean bf16 candidate and one with a fault,
+    teacher-forced. The candidates round as the plain control does (plain bf16), so it is the
+    one they are judged against here; the clean one may even be bitwise the control."""
     from accucheck.capture.runners.hf import capture_model
     from accucheck.capture.faults import planted
 
@@ -34,10 +35,11 @@ def files(tiny, tiny_dir, tmp_path_factory):
         main(["capture", str(tiny_dir), *sum((["--prompt", p] for p in PROMPTS), []),
               "--max-new-tokens", "2", "--store", "full", "-o", str(d / "ref.h5")])
     assert e.value.code == 0
-    with pytest.raises(SystemExit) as e:
-        main(["capture", str(tiny_dir), "--control-for", str(d / "ref.h5"), "--dtype",
-              "bfloat16", "-o", str(d / "ctl.h5")])
-    assert e.value.code == 0
+    for name, extra in (("ctl.h5", ["--plain-control"]), ("dctl.h5", [])):
+        with pytest.raises(SystemExit) as e:
+            main(["capture", str(tiny_dir), "--control-for", str(d / "ref.h5"), "--dtype",
+                  "bfloat16", "-o", str(d / name), *extra])
+        assert e.value.code == 0
     import torch
     from accucheck.capture.models import load_model_dir
 
@@ -47,7 +49,9 @@ def files(tiny, tiny_dir, tmp_path_factory):
     model, tok = load_model_dir(tiny_dir, torch.bfloat16, torch.device("cpu"))
     kw = dict(tokenizer=tok, store="full", max_new_tokens=2, tokens_from=str(d / "ref.h5"))
     capture_model(model, PROMPTS, d / "clean.h5", **kw)
-    with planted(model, "model.layers.2.mlp.down_proj", "tile:0.1"):
+    # x3.2 the plain control's noise at that site, x1.8 the dithered control's (x1.8 / x1.0 at
+    # tile:0.1: the dither doubles the noise unit of a round-to-nearest candidate)
+    with planted(model, "model.layers.2.mlp.down_proj", "tile:0.2"):
         capture_model(model, PROMPTS, d / "fault.h5", **kw)
     fp32, _ = tiny
     capture_model(fp32, PROMPTS, d / "fp32.h5", **kw)
@@ -63,6 +67,19 @@ def test_control_for_takes_prompts_tokens_and_selection_from_the_reference(files
         assert [list(q.generated_ids) for q in c.requests] == \
             [list(q.generated_ids) for q in r.requests]
         assert {row.key for row in c.rows} == {row.key for row in r.rows}
+
+
+def test_the_default_control_is_dithered_and_plain_control_is_not(files, capsys):
+    """capture --control-for dithers the control with its seed (a device correct to one ULP:
+    capture.runners.control); --plain-control makes the CPU's own round-to-nearest run; the
+    flag without --control-for is a usage error."""
+    with open_capture(files / "dctl.h5") as d, open_capture(files / "ctl.h5") as p:
+        assert d.meta["options"]["dither"] == 0 and "dither" not in p.meta["options"]
+        keys = [r.key for r in d.rows if r.has_data and r.key.module == "model.norm"]
+        assert keys and any(not np.array_equal(d.read(k), p.read(k)) for k in keys)
+    code, _, err = run(["capture", "@tiny", "--plain-control", "-o", files / "x.h5"], capsys)
+    assert code == 2 and "--plain-control goes with --control-for" in err
+    assert not (files / "x.h5").exists()
 
 
 def test_diff_with_a_control_names_the_fault_and_passes_the_clean_one(files, capsys):
@@ -145,6 +162,7 @@ def test_control_auto_makes_the_control_beside_the_candidate_and_reuses_it(files
     assert "more than noise" in out.splitlines()[0] and "model.layers.2.mlp.down_proj" in out
     with open_capture(made) as c:
         assert c.meta["dtype"] == "bfloat16" and c.meta["control_for"] == str(files / "ref.h5")
+        assert c.meta["options"]["dither"] == 0  # the default control: dithered
     stamp = made.stat().st_mtime_ns
     code2, out2, err2 = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
     assert code2 == 1 and "control: using" in err2 and made.stat().st_mtime_ns == stamp

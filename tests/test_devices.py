@@ -97,3 +97,27 @@ def test_in_the_stats_store_a_silu_fault_is_named_at_the_silu_not_at_what_it_fee
     clean = analyze(ref_s, cap("npu", "stats", device="npu", seed=7), controls=(ctl_s,))
     assert clean.culprit is None and clean.location.noise.flagged == (), \
         clean.location.noise.flagged
+
+
+def test_the_default_control_is_dithered_so_a_one_ulp_device_stays_quiet(cap, smollm2):
+    """The control `capture --control-for` makes is dithered (CaptureOptions.dither): against
+    it the dithered device (correct to one ULP, not round-to-nearest) raises nothing. Against
+    the CPU's plain bf16 run, the control made until now, it is flagged where its rounding shows
+    bare: layer 0's input_layernorm, whose input (the embedding) is exact on every side; so in
+    all 100 clean pairs of bench/bench_devices.py (column "plain control")."""
+    model, tok = smollm2
+    ref, cand = cap("ref32", "stats", dtype="float32"), cap("dither", "stats", device="dither",
+                                                            seed=7)
+    ctl = ref.with_name("product-control-stats.h5")
+    model.set_attn_implementation("sdpa")
+    try:
+        capture_model(model, PROMPTS, ctl, tokenizer=tok, store="stats", dtype="bfloat16",
+                      max_new_tokens=2, tokens_from=str(ref), dither=3)
+    finally:
+        model.set_attn_implementation("eager")
+    quiet = analyze(ref, cand, controls=(ctl,))
+    assert quiet.exit_code == 0 and quiet.location.noise.flagged == (), \
+        quiet.location.noise.flagged
+    plain = analyze(ref, cand, controls=(cap("ref16", "stats"),))
+    assert plain.culprit is not None, plain.location.noise
+    assert plain.culprit.module == "model.layers.0.input_layernorm"

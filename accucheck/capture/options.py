@@ -11,7 +11,7 @@ Imports torch only through capture.models.parse_dtype (for the dtype names).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from accucheck.capture import device as dev
 from accucheck.capture.models import parse_dtype
@@ -49,6 +49,10 @@ class CaptureOptions:
     routing_from: a reference capture whose MoE routing (every router call's expert ids) this
     run must follow (accucheck.capture.record.moe); implies tokens_from. routing_weights: also the
     reference's routing weights. Eager only.
+    dither: a seed: every rounding op's output moved one ULP on a quarter of its elements
+    (accucheck.capture.faults.dithered): a device of this precision that is correct to one
+    ULP, not only round-to-nearest. What a control run is made with by default
+    (capture.runners.control); eager, hf runner only.
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -69,7 +73,14 @@ class CaptureOptions:
     observer_check: bool = True
     routing_from: str | None = None
     routing_weights: bool = False
+    dither: int | None = None
     meta_extra: dict = field(default_factory=dict)
+
+    def meta(self) -> dict:
+        """The options as a capture's meta "options" holds them: without meta_extra and force,
+        and without dither unless the run was dithered (a control's option)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("meta_extra", "force") and not (k == "dither" and v is None)}
 
     def __post_init__(self) -> None:
         """Usage errors (exit 2): what is wrong here is wrong whatever the files hold."""
@@ -77,6 +88,8 @@ class CaptureOptions:
             raise UserError.usage(f"unknown mode {self.mode!r}: use eager or graph")
         if self.level not in LEVELS:
             raise UserError.usage(f"unknown level {self.level!r}: use module or op")
+        if self.dither is not None and self.mode != "eager":
+            raise UserError.usage("a dithered run (a control's rounding) is eager only")
         if self.mode == "graph" and (self.level == "op" or self.shadow):
             raise UserError.usage("--level op and --shadow need --mode eager (a compiled graph "
                                   "runs neither ops one by one nor module replays)")
@@ -121,6 +134,8 @@ def check_runner(opts: CaptureOptions, runner: str, engine_kwargs: dict | None =
         if engine_kwargs:
             raise UserError.usage("--engine-arg is for --runner vllm")
         return
+    if opts.dither is not None:
+        raise UserError.usage("a dithered run (a control's rounding) is for --runner hf")
     if opts.routing_from:
         raise UserError.usage("--routing-from is for --runner hf (vLLM's fused MoE router is "
                               "not replayed by accucheck)")

@@ -20,7 +20,6 @@ read from the diff's Analysis.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -284,7 +283,8 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                           tokens_from=str(tokens_from) if tokens_from else None,
                           routing_from=str(tokens_from) if tokens_from and spec.routing_replay
                           else None,
-                          compile_backend=spec.compile_backend, force=force, meta_extra=extra)
+                          compile_backend=spec.compile_backend, force=force, meta_extra=extra,
+                          dither=spec.dither if spec.runner == "hf" else None)
     t = time.monotonic()
     log(f"signoff: capturing the {role} ({spec.label}) for {len(scn.prompts)} prompt(s), "
         f"{scn.max_new_tokens} decode step(s)" + (", teacher-forced" if tokens_from else "")
@@ -294,7 +294,7 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             from accucheck.capture.runners.vllm import capture_vllm
 
             capture_vllm(model_dir, list(scn.prompts), out, opts, dict(spec.engine_args))
-        elif spec.fault is None and spec.dither is None:
+        elif spec.fault is None:
             capture_dir(model_dir, list(scn.prompts), out, opts,
                         trust_remote_code=scn.trust_remote_code, progress=log, announce=False)
         else:
@@ -305,18 +305,10 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
             model, tok = load_model_dir(model_dir, parse_dtype(spec.dtype),
                                         torch_device(parse_device(spec.device)),
                                         trust_remote_code=scn.trust_remote_code)
-            from accucheck.capture.faults import dithered
-
-            extra = dict(extra, model_path=str(Path(model_dir).resolve()))
-            if spec.fault is not None:
-                log(f"signoff: PLANTED FAULT in the {role}: {spec.fault} (testing / demo only)")
-                extra["planted_fault"] = str(spec.fault)
-            if spec.dither is not None:
-                extra["dither"] = spec.dither
-            with (planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed)
-                  if spec.fault is not None else contextlib.nullcontext()), \
-                    (dithered(spec.dither) if spec.dither is not None
-                     else contextlib.nullcontext()):
+            extra = dict(extra, model_path=str(Path(model_dir).resolve()),
+                         planted_fault=str(spec.fault))
+            log(f"signoff: PLANTED FAULT in the {role}: {spec.fault} (testing / demo only)")
+            with planted(model, spec.fault.module, spec.fault.kind, seed=spec.seed):
                 capture_model(model, list(scn.prompts), out, tokenizer=tok, progress=log,
                               opts=replace(opts, meta_extra=extra))
     except KeyboardInterrupt:

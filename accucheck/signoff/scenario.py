@@ -39,8 +39,10 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
                                             # here (both runs, no capture = ...), unless the
                                             # reference is that very run (hf eager cpu)
     # enabled = false                       # no default control
-    dither = 1                              # TESTING ONLY (candidate / control): round like
-                                            # another device (faults.dithered(seed))
+    dither = 1                              # round like another device of the precision
+                                            # (faults.dithered(seed)): TESTING ONLY in the
+                                            # candidate; a control is dithered by default
+                                            # (its seed), as capture --control-for makes it
 
     [matrix]                                # optional: a configuration matrix (accucheck
                                             # matrix) on the reference's settings
@@ -136,7 +138,8 @@ class RunSpec:
     teacher_forcing: bool = True      # candidate / golden / control: the reference's tokens
     routing_replay: bool = False      # MoE: the reference's routing (capture --routing-from)
     fault: Fault | None = None
-    dither: int | None = None         # TESTING: faults.dithered(seed), another device's rounding
+    dither: int | None = None         # faults.dithered(seed): another device's rounding (a
+                                      # control's default; TESTING ONLY in a candidate)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -465,7 +468,9 @@ def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
     ref, cand = runs["reference"], runs["candidate"]
     return {**defaults, "runner": "hf", "device": "cpu", "mode": "eager", "dtype": cand.dtype,
             "store": ref.store, "include": ref.include, "exclude": ref.exclude,
-            "record_inputs": ref.record_inputs, "engine_args": {}, "compile_backend": None}
+            "record_inputs": ref.record_inputs, "engine_args": {}, "compile_backend": None,
+            # correct to one ULP, as `capture --control-for` makes it (capture.runners.control)
+            "dither": defaults.get("seed", 0)}
 
 
 def default_golden(defaults: dict) -> RunSpec:

@@ -19,6 +19,7 @@ from torch import nn
 from accucheck.capture import device as dev
 from accucheck.capture.record.compiling import (CompileProgress, backend_for, compile_stats,
                                                 dynamo_quiet)
+from accucheck.capture.faults import dithered
 from accucheck.capture.options import CaptureOptions
 from accucheck.capture.session import (CaptureSession, check_input, check_output_path,
                                        interruptible)
@@ -129,9 +130,11 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                             progress=progress) as session:
             recorder = _recorder(model, session.writer, modules, opts, source, taps,
                                  keep=[r.gate for r in routers])
-            _generate(session, recorder, model, opts, _Run(
-                prompt_ids, prompts, forced, tdev, causal, backend_name, backend, replay,
-                meta["graph_taps"], progress))
+            with dithered(opts.dither) if opts.dither is not None \
+                    else contextlib.nullcontext():
+                _generate(session, recorder, model, opts, _Run(
+                    prompt_ids, prompts, forced, tdev, causal, backend_name, backend, replay,
+                    meta["graph_taps"], progress))
             session.finish()
     finally:
         if source is not None:  # the shadow recorder's reference
@@ -254,7 +257,7 @@ def hf_meta(model: nn.Module, spec: dev.DeviceSpec, opts: CaptureOptions, *, mod
         "moe": moe_meta(routers),
         "logits": {"kind": "raw", "source": "the model's output logits (before any logits "
                                              "processor or sampling transform)"},
-        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
+        "options": opts.meta(),
         **opts.meta_extra,
     }
 

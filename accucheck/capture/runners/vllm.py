@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator, Sequence
@@ -559,7 +559,7 @@ def _meta_of(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism,
         "modules": modules,
         "logits": {"kind": "raw", "source": "vLLM raw logits (logprobs_mode raw_logits: before "
                                              "any logits processor or sampling transform)"},
-        "options": {k: v for k, v in asdict(opts).items() if k not in ("meta_extra", "force")},
+        "options": opts.meta(),
         "vllm": {
             "engine_kwargs": json.loads(json.dumps(
                 {k: v for k, v in kwargs.items() if k != "logits_processors"}, default=str)),
