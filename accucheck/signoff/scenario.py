@@ -371,7 +371,9 @@ def _runs(top: _Reader, data: dict, base: Path, src: str) -> dict[str, RunSpec |
             and cand.dtype in REDUCED and (ref.runner, ref.device, ref.mode, ref.dtype) != \
             ("hf", "cpu", "eager", cand.dtype):
         # a reduced-precision candidate is judged against its dtype's noise by default (not
-        # when the control would compute exactly what the reference does: no noise measured)
+        # when the reference is hf eager on the CPU at that dtype: a plain control was that
+        # very run; the dithered one would measure noise, but that default is not calibrated
+        # here: a [control] table asks for it)
         runs["control"] = _make_run("control", {
             **control_defaults(defaults, data, runs), "teacher_forcing": True,
             "routing_replay": runs["candidate"].routing_replay}, {}, src)

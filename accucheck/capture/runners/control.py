@@ -63,15 +63,14 @@ def auto_control(ref: str | Path, cand: str | Path, *, force: bool = False,
     """`diff --control auto`: the control of `ref` at `cand`'s dtype, made here on the CPU
     from the model directory REF's meta names (hf, eager), written beside CAND as
     CAND-STEM.control.h5 and reused on the next diff. Checked before anything is written: the
-    model directory must exist here; REF must not be what the control would be (hf eager on
-    the CPU at that dtype: it would measure no noise); an existing file there must be a
-    complete control of this REF at that dtype (else a one-line error: nothing is overwritten
-    unless `force`)."""
+    model directory must exist here; an existing file there must be a complete control of this
+    REF at that dtype (else a one-line error: nothing is overwritten unless `force`). REF may be
+    hf eager on the CPU at that dtype itself: the control is dithered, so it still measures
+    what a device correct to one ULP differs from it by."""
     from accucheck.capture.runners.hf import capture_dir
 
     with open_capture(ref) as r:
         model_dir = r.meta.get("model_path")
-        made = tuple(r.meta.get(k) for k in ("runner", "device", "mode", "dtype"))
     with open_capture(cand) as c:
         dtype = c.meta.get("dtype")
     out = Path(cand).with_name(Path(cand).stem + ".control.h5")
@@ -80,11 +79,6 @@ def auto_control(ref: str | Path, cand: str | Path, *, force: bool = False,
                         f"({model_dir or 'none recorded'}): make the control where the model "
                         f"is (accucheck capture MODEL --control-for {ref} --dtype {dtype} -o "
                         f"ctl.h5) and pass --control ctl.h5")
-    if made == ("hf", "cpu", "eager", dtype):
-        raise UserError(f"--control auto: {ref} was made as the control would be (hf eager on "
-                        f"the CPU in {dtype}): a control of it measures no noise; make one on "
-                        f"another device or thread count (capture --control-for {ref} "
-                        f"--device ...), or compare against a float32 reference")
     if out.exists() and not force:
         try:
             with open_capture(out) as o:
