@@ -194,6 +194,14 @@ def test_a_reduced_precision_candidate_gets_a_control_by_default(tmp_path):
     assert load_scenario(write(tmp_path, off)).control is None
     with pytest.raises(UserError, match="enabled"):
         load_scenario(write(tmp_path, off + 'dtype = "float16"\n'))
+    # dithered with the scenario's seed (as capture --control-for makes it); plain = true: not
+    assert c.dither == 0
+    assert load_scenario(write(tmp_path, 'seed = 4\n' + base + '[candidate]\ndtype = "bfloat16"\n')
+                         ).control.dither == 4
+    plain = base + '[candidate]\ndtype = "bfloat16"\n[control]\nplain = true\n'
+    assert load_scenario(write(tmp_path, plain)).control.dither is None
+    with pytest.raises(UserError, match="plain"):
+        load_scenario(write(tmp_path, plain + 'dither = 2\n'))
 
 
 def test_impact_needs_an_hf_candidate_and_a_full_reference():

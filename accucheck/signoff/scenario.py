@@ -39,6 +39,9 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
                                             # here (both runs, no capture = ...), unless the
                                             # reference is that very run (hf eager cpu)
     # enabled = false                       # no default control
+    # plain = true                          # without the default one-ULP dither (capture
+                                            # --plain-control): for a candidate that rounds to
+                                            # nearest, as the CPU does
     dither = 1                              # round like another device of the precision
                                             # (faults.dithered(seed)): TESTING ONLY in the
                                             # candidate; a control is dithered by default
@@ -387,7 +390,8 @@ def _role_run(role: str, top: _Reader, data: dict, defaults: dict,
     t = top.get(role, dict)
     r = _Reader(src, t, f"{role}.")
     r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role in ("golden", "control")
-                                               else set()))
+                                               else set()) | ({"plain"} if role == "control"
+                                                              else set()))
     if role in ("golden", "control") and not r.get("enabled", bool, True):
         if set(t) != {"enabled"}:
             raise r.fail("enabled", "= false turns the referee off: give no other key")
@@ -419,6 +423,10 @@ def _role_run(role: str, top: _Reader, data: dict, defaults: dict,
         extra["fault"] = Fault(mod, kind)
     if "dither" in t:
         extra["dither"] = r.count("dither")
+    if role == "control" and r.get("plain", bool, False):
+        if "dither" in t:
+            raise r.fail("plain", "= true is the control without a dither: give no dither")
+        extra["dither"] = None  # the CPU's own rounding (capture --plain-control)
     return _make_run(role, defaults, extra, src)
 
 
