@@ -78,6 +78,13 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--exclude", multiple=True, help="glob on module paths to leave out")
 @click.option("--inputs", "record_inputs", is_flag=True,
               help="also record module inputs (and op inputs at --level op)")
+@click.option("--positions", default="all", show_default=True,
+              help="prefill positions recorded: all, last:N (the last N of each prefill; every "
+                   "decode step) or decode (no prefill record)")
+@click.option("--requests", "requests_", default=None,
+              help="the requests recorded, e.g. 0,2-3 (every request still runs)")
+@click.option("--layers", default=None,
+              help="the decoder layers recorded, e.g. 0-3,28,29 (modules outside layers stay)")
 @click.option("--level", type=click.Choice(["module", "op"]), default="module",
               show_default=True,
               help="op: also every operator inside the selected modules (eager mode only)")
@@ -118,10 +125,10 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
             routing_from, routing_weights, control_for, plain_control, compression,
             compile_backend, observer_check, engine_args, trust_remote_code, list_modules, force,
-            level="module", shadow=None):
+            level="module", shadow=None, positions="all", requests_=None, layers=None):
     """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
     for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
-    from accucheck.capture.options import CaptureOptions, check_runner
+    from accucheck.capture.options import CaptureOptions, check_runner, parse_requests
 
     if not out and not list_modules:
         raise UserError.usage("capture needs -o FILE.h5 (or --list-modules to only list the "
@@ -132,7 +139,9 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           deterministic=deterministic, tokens_from=tokens_from,
                           compression=compression, compile_backend=compile_backend, force=force,
                           level=level, shadow=shadow, observer_check=observer_check,
-                          routing_from=routing_from, routing_weights=routing_weights)
+                          routing_from=routing_from, routing_weights=routing_weights,
+                          positions=positions, layers=layers,
+                          requests=parse_requests(requests_) if requests_ is not None else ())
     engine = _engine_args(engine_args)
     check_runner(opts, runner, engine)  # every flag clash, exit 2, before anything is read
     if plain_control and not control_for:
@@ -145,7 +154,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
 
         m, _ = load_model_dir(model_dir, parse_dtype(dtype), torch_device(parse_device(device)),
                               trust_remote_code=trust_remote_code)
-        click.echo("\n".join(lm(m, include, exclude)))
+        click.echo("\n".join(lm(m, include, exclude, layers)))
         return 0
     if control_for:
         from accucheck.capture.runners.control import control_run

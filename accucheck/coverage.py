@@ -32,10 +32,14 @@ def sites_of(keys: Iterable[str], rank: int = 0) -> list[tuple[int, int, int, st
 
 
 def coverage(recorded: Iterable[tuple[int, int, int, str]], n_requests: int, n_steps: int,
-             ranks: Iterable[int] = (0,)) -> dict:
+             ranks: Iterable[int] = (0,), *, only: Iterable[int] = (),
+             first_step: int = 0) -> dict:
     """`recorded`: (rank, request, step, site) per module-level record. `n_steps`: steps per
-    request (prefill + decode steps). Returns meta "coverage" (see `coverage_line`)."""
+    request (prefill + decode steps). What the capture chose to record: `only` the requests
+    numbered so (empty: every one; capture --requests), from `first_step` on (1: capture
+    --positions decode). Returns meta "coverage" (see `coverage_line`)."""
     ranks = sorted(set(ranks))
+    wanted = sorted(set(only)) or list(range(n_requests))
     got = set(recorded)
     phase_sites: dict[int, set[str]] = {0: set(), 1: set()}
     for _rank, _req, step, site in got:
@@ -45,8 +49,8 @@ def coverage(recorded: Iterable[tuple[int, int, int, str]], n_requests: int, n_s
     missing = []
     expected = 0
     for rank in ranks:
-        for req in range(n_requests):
-            for step in range(n_steps):
+        for req in wanted:
+            for step in range(first_step, n_steps):
                 sites = phase_sites[min(step, 1)]
                 expected += len(sites)
                 missing += [(rank, req, step, s) for s in sorted(sites)
@@ -58,7 +62,7 @@ def coverage(recorded: Iterable[tuple[int, int, int, str]], n_requests: int, n_s
     return {
         "ok": bool(expected) and not missing,
         "expected": expected, "recorded": expected - len(missing),
-        "ranks": ranks, "requests": n_requests, "steps": n_steps,
+        "ranks": ranks, "requests": len(wanted), "steps": n_steps - first_step,
         "sites": {"prefill": len(phase_sites[0]), "decode": len(phase_sites[1])},
         "missing": {"count": len(missing),
                     "by_rank": {str(r): n for r, n in sorted(by_rank.items())},

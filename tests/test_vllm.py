@@ -344,6 +344,36 @@ def test_a_chunked_prefill_equals_the_whole_one_record_by_record(tiny_dir, work,
 
 
 @vllm_mark
+def test_a_selection_records_the_last_positions_of_a_chunked_prefill(tiny_dir, work, eager):
+    """issue 36: --positions last:2 --requests 1 --layers 0-1 in the worker, over a chunked
+    prefill (joined first, then cut): the records are the whole capture's last two prefill
+    positions (fp32 noise: another chunking), request 1 and layers 0-1 only, its logits too;
+    the diff against the whole capture compares those and passes."""
+    from accucheck.capture.runners.vllm import capture_vllm
+    from accucheck.compare.diff import diff_captures
+
+    out = capture_vllm(tiny_dir, PROMPTS, work / "vllm_sel.h5",
+                       CaptureOptions(store="full", max_new_tokens=N_NEW, positions="last:2",
+                                      requests=(1,), layers="0-1"),
+                       dict(ENGINE, max_num_batched_tokens=4))
+    with open_capture(out) as c, open_capture(eager) as e:
+        assert c.meta["prefill_chunks"] and c.meta["coverage"]["ok"]
+        assert {r.key.req for r in c.rows} == {1}
+        assert {int(r.key.module.split(".")[2]) for r in c.rows
+                if r.key.module.startswith("model.layers.")} == {0, 1}
+        for r in c.rows:
+            a, b = e.read(r.key), c.read(r.key)
+            if r.key.step == 0:
+                assert b.shape[1] == 2 < a.shape[1], r.key
+                a = a[:, -2:]
+            assert _rel_l2(a, b) < FP32_NOISE, r.key
+    assert _tokens(out) == _tokens(eager)
+    d = diff_captures(eager, out)
+    assert d.within and not d.missing
+    assert any("cand prefill positions last:2, requests 1, layers 0-1" in n for n in d.notes)
+
+
+@vllm_mark
 def test_hf_against_vllm_in_the_default_stats_store_compares_leaf_by_leaf(tiny_dir, work,
                                                                          capsys):
     """issue 33: `accucheck capture MODEL` (HF) against `accucheck capture MODEL --runner vllm

@@ -11,11 +11,13 @@ Imports torch only through capture.models.parse_dtype (for the dtype names).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from accucheck.capture import device as dev
 from accucheck.capture.models import parse_dtype
 from accucheck.errors import UserError
+from accucheck.store import parse_ranges
 
 MODES = ("eager", "graph")
 LEVELS = ("module", "op")
@@ -53,6 +55,11 @@ class CaptureOptions:
     (accucheck.capture.faults.dithered): a device of this precision that is correct to one
     ULP, not only round-to-nearest. What a control run is made with by default
     (capture.runners.control); eager, hf runner only.
+    positions / requests / layers: capture less, on purpose (capture.record.window): "all",
+    "last:N" (the last N positions of each prefill; every decode step) or "decode" (no record
+    of the prefill); the request numbers recorded (all run; empty: every one); the decoder
+    layers recorded ("0-3,28-29"; modules outside layers are kept). Each is in meta `options`
+    so a diff says what was compared.
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -74,13 +81,18 @@ class CaptureOptions:
     routing_from: str | None = None
     routing_weights: bool = False
     dither: int | None = None
+    positions: str = "all"
+    requests: tuple[int, ...] = ()
+    layers: str | None = None
     meta_extra: dict = field(default_factory=dict)
 
     def meta(self) -> dict:
         """The options as a capture's meta "options" holds them: without meta_extra and force,
-        and without dither unless the run was dithered (a control's option)."""
+        and without dither, positions, requests or layers where they have their default (the
+        run was not dithered, records everything: store.Selection reads them so)."""
+        unset = {"dither": None, "positions": "all", "requests": (), "layers": None}
         return {k: v for k, v in asdict(self).items()
-                if k not in ("meta_extra", "force") and not (k == "dither" and v is None)}
+                if k not in ("meta_extra", "force") and not (k in unset and v == unset[k])}
 
     def __post_init__(self) -> None:
         """Usage errors (exit 2): what is wrong here is wrong whatever the files hold."""
@@ -109,12 +121,71 @@ class CaptureOptions:
         if self.dtype is not None:
             parse_dtype(self.dtype)
         dev.parse_device(self.device)
+        parse_positions(self.positions)
+        if self.layers is not None:
+            parse_layers(self.layers)
+        if any(type(r) is not int or r < 0 for r in self.requests):
+            raise UserError.usage(f"--requests: request numbers are integers >= 0, not "
+                                  f"{list(self.requests)}")
+        if self.positions != "all" and self.shadow:
+            raise UserError.usage(f"--positions {self.positions} records part of the prefill; "
+                                  f"--shadow replays modules on whole inputs: drop one")
 
     def inputs(self) -> dict[str, str]:
         """The capture files this capture reads, by flag."""
         return {flag: path for flag, path in (("--tokens-from", self.tokens_from),
                                               ("--shadow", self.shadow),
                                               ("--routing-from", self.routing_from)) if path}
+
+
+def parse_positions(text: str) -> int | None:
+    """--positions: "all" -> None (every position), "last:N" -> N (N >= 1), "decode" -> 0
+    (no prefill position). UserError.usage for anything else."""
+    if text == "all":
+        return None
+    if text == "decode":
+        return 0
+    m = re.fullmatch(r"last:(\d+)", text)
+    if not m or int(m.group(1)) < 1:
+        raise UserError.usage(f"--positions {text!r}: use all, decode or last:N (N >= 1)")
+    return int(m.group(1))
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    """--layers "0-3,28,29" -> [(0, 3), (28, 28), (29, 29)] (inclusive). UserError.usage for
+    anything else."""
+    out = parse_ranges(text)
+    if out is None:
+        raise UserError.usage(f"--layers {text!r}: use layer numbers and ranges, e.g. "
+                              f"0-3,28,29")
+    return out
+
+
+def parse_requests(text: str) -> tuple[int, ...]:
+    """--requests "0,2-3" -> (0, 2, 3). UserError.usage for anything else."""
+    ranges = parse_ranges(text)
+    if ranges is None:
+        raise UserError.usage(f"--requests {text!r}: use request numbers and ranges, e.g. "
+                              f"0,2-3")
+    if sum(hi - lo + 1 for lo, hi in ranges) > 1_000_000:
+        raise UserError.usage(f"--requests {text!r}: more than a million requests")
+    return tuple(sorted({r for lo, hi in ranges for r in range(lo, hi + 1)}))
+
+
+def check_requests(opts: CaptureOptions, n: int) -> None:
+    """--requests naming a request the run does not have: UserError (exit 3: the prompts are
+    input)."""
+    beyond = [r for r in opts.requests if r >= n]
+    if beyond:
+        raise UserError(f"--requests {beyond[0]}: the run has {n} request(s), numbered 0 to "
+                        f"{n - 1}")
+
+
+def records(opts: CaptureOptions, req: int, step: int) -> bool:
+    """Whether the selection records request `req` at step `step` (--requests, --positions
+    decode)."""
+    return (not opts.requests or req in opts.requests) and \
+        not (step == 0 and opts.positions == "decode")
 
 
 RUNNERS = ("hf", "vllm")

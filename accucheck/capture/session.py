@@ -46,6 +46,7 @@ class CaptureSession:
     def __init__(self, out: str | Path, meta: dict, opts: CaptureOptions, *, requests: int,
                  steps: int, progress: Progress | None = None, require: bool = True):
         self.out, self.requests, self.steps, self.require = Path(out), requests, steps, require
+        self.opts = opts
         self.progress = progress
         self.writer = CaptureWriter(out, meta=meta, store=opts.store, force=opts.force,
                                     compression=opts.compression)
@@ -79,7 +80,9 @@ class CaptureSession:
         as `left_behind` says). Marks the capture complete: the file is closed complete when
         the session's block then ends without an error."""
         if cov is None:
-            cov = coverage(sites_of(self.writer.keys), self.requests, self.steps)
+            cov = coverage(sites_of(self.writer.keys), self.requests, self.steps,
+                           only=self.opts.requests,
+                           first_step=1 if self.opts.positions == "decode" else 0)
         self.writer.update_meta(coverage=cov)
         if self.progress is not None and self.require:
             self.progress(coverage_line(cov))

@@ -58,7 +58,7 @@ from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import JUDGED_ELSEWHERE, apply_routing, routing_notes
-from accucheck.store import (SAMPLE_SIZE, CaptureReader, IndexRow, open_capture,
+from accucheck.store import (SAMPLE_SIZE, CaptureReader, IndexRow, Selection, open_capture,
                              sample_positions, sketch_rel)
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
@@ -216,6 +216,8 @@ class _Differ:
         self.notes: list[str] = []
         self.compute = (_meta_dtype(R.meta), _meta_dtype(C.meta))
         self._rank_keys: dict[tuple[str, str], RecordKey] = {}
+        # capture --positions: prefill records of other positions compare on the common ones
+        self.other_positions = Selection.of(R.meta).positions != Selection.of(C.meta).positions
 
     # -- tokens
     def _token_limits(self) -> tuple[dict[int, int | None], TokenFlip | None]:
@@ -397,6 +399,7 @@ class _Differ:
                     f"{len(ops.one_sided)} op calls on one side only ({n_ref} only in ref, "
                     f"{len(ops.one_sided) - n_ref} only in cand): fused or absent there, not "
                     f"errors; {ops.n_fused} fused regions compared by their final output")
+        missing, pairs = self._selected(missing, pairs)
         if not pairs and not missing:
             raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
                             f"(check --step / --include)")
@@ -404,6 +407,36 @@ class _Differ:
             raise UserError(f"{self.R.path} and {self.C.path} have no record key in common: "
                             f"were they captured from the same model with the same --include?")
         return pairs, missing, shadows, joined, ops, gops
+
+    def _selected(self, missing: list[MissingKey], pairs: list) -> tuple[list, list]:
+        """What each capture chose to record (capture --positions / --requests / --layers,
+        store.Selection): a key one side did not select is not missing there; prefill records
+        of different positions compare on the positions both hold (`_narrowed`: full store), or
+        not at all (statistics of other positions do not compare). Says so in the notes."""
+        sr, sc = Selection.of(self.R.meta), Selection.of(self.C.meta)
+        if not (sr.partial or sc.partial):
+            return missing, pairs
+        unselected = [m for m in missing
+                      if not (sc if m.only_in == "ref" else sr).recorded(RecordKey.parse(m.key))]
+        self.notes.append(f"recorded: ref {sr.describe()}; cand {sc.describe()}: compared "
+                          f"where both recorded"
+                          + (f" ({len(unselected)} records one side did not select are not "
+                             f"missing)" if unselected else ""))
+        if unselected:
+            gone = {m.key for m in unselected}
+            missing = [m for m in missing if m.key not in gone]
+        if self.other_positions:
+            apart = [(a, b) for a, b in pairs if a.key.step == 0 and a.shape != b.shape
+                     and not (a.has_data and b.has_data)]
+            if apart:
+                drop = {id(a) for a, _ in apart}
+                pairs = [(a, b) for a, b in pairs if id(a) not in drop]
+                self.notes.append(
+                    f"{len(apart)} prefill records not compared: the captures record other "
+                    f"prefill positions (ref {sr.positions}, cand {sc.positions}) and hold "
+                    f"statistics only there (statistics of other positions do not compare): "
+                    f"capture both with the same --positions, or with --store full")
+        return missing, pairs
 
     def io(self) -> dict:
         """Tensor bytes read against the captures' tensor data (ref + cand, + golden), the
@@ -478,6 +511,10 @@ class _Differ:
         for t in todo:  # statistics only: left as they are (the note counts them)
             self._applied[t.text][1] += 1
         if ra.shape != ca.shape:
+            if self.other_positions and ra.key.step == 0 and ra.has_data and ca.has_data:
+                cut = _narrowed(self.R.read(ra.key), self.C.read(ca.key))
+                if cut is not None:
+                    return self._measured(ra, ca, *cut, tol, base)
             return RecordDiff(basis="shape", **base), None
         if unread_pair(ra, ca, grow, shadow, self.transforms):
             self.R.check_tensor(ra)  # a damaged file is refused whether its values are read
@@ -536,6 +573,22 @@ class _Differ:
                 else GoldenLabel("n/a", None, None, mult)
         rd = RecordDiff(basis="tensor", metrics=metrics, shadow=shadow_m, golden=glabel, **base)
         return rd, (LogitsStep(ra.key, tuple(positions)) if is_logits else None)
+
+    def _measured(self, ra: IndexRow, ca: IndexRow, a: np.ndarray, b: np.ndarray,
+                  tol: Tolerance, base: dict) -> tuple[RecordDiff, LogitsStep | None]:
+        """A prefill pair measured on the positions both captures hold (`_narrowed`)."""
+        self.bytes_read += nbytes(ra) + nbytes(ca)
+        is_logits = ra.kind == "logits" and a.ndim >= 1 and a.shape[-1] > 0
+        acc = MetricAccumulator(ra.dtype, ca.dtype, rtol=tol.rtol, atol=tol.atol,
+                                **_rel_scale(ra, a.shape[-1] if is_logits else None))
+        acc.add(a, b)
+        base = dict(base, ref_shape=tuple(a.shape), cand_shape=tuple(b.shape))
+        rd = RecordDiff(basis="tensor", metrics=acc.result(), **base)
+        if not is_logits:
+            return rd, None
+        w = a.shape[-1]
+        return rd, LogitsStep(ra.key, tuple(_logit_positions(a.reshape(-1, w),
+                                                             b.reshape(-1, w), 0)))
 
     def _transformed(self, ra: IndexRow, ca: IndexRow, todo: list[Transform], tol: Tolerance,
                      base: dict) -> RecordDiff:
@@ -622,6 +675,22 @@ class _Differ:
             if first is None or (token_flip.req, token_flip.step) < (first.req, first.step):
                 first = token_flip
         return first, tuple(gen)
+
+
+def _narrowed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Two prefill tensors of captures that record other positions (capture --positions
+    last:N): the one with more positions cut to the other's, its last ones, on the one axis
+    where the shapes differ (the position axis); None when they differ otherwise."""
+    if a.ndim != b.ndim:
+        return None
+    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if len(axes) != 1:
+        return None
+    i = axes[0]
+    n = min(a.shape[i], b.shape[i])
+    a = a if a.shape[i] == n else np.take(a, range(a.shape[i] - n, a.shape[i]), axis=i)
+    b = b if b.shape[i] == n else np.take(b, range(b.shape[i] - n, b.shape[i]), axis=i)
+    return a, b
 
 
 def _absorb(records: list[RecordDiff]) -> list[RecordDiff]:

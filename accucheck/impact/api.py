@@ -25,7 +25,7 @@ from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, f
 from accucheck.impact.result import ImpactResult, SiteImpact
 from accucheck.keys import is_layer_block, layer_of
 from accucheck.paths import check_not_input, check_output_file
-from accucheck.store import CaptureReader, open_capture
+from accucheck.store import CaptureReader, Selection, open_capture
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,25 @@ class ImpactOptions:
         dev.parse_device(self.device)
 
 
+def check_servable(r: CaptureReader, flag: str) -> None:
+    """Impact swaps recorded tensors into whole runs: a capture with statistics only, or one
+    that recorded part of the run (capture --positions / --requests / --layers), cannot serve
+    (UserError, exit 3, one line)."""
+    if r.store_mode != "full":
+        raise UserError(f"{flag} {r.path}: it holds statistics only; impact swaps recorded "
+                        f"tensors in: capture it with --store full")
+    sel = Selection.of(r.meta)
+    if sel.partial:
+        raise UserError(f"{flag} {r.path}: it records part of the run ({sel.describe()}); "
+                        f"impact replays every position of every request: capture it without "
+                        f"--positions / --requests / --layers")
+
+
 def check_capture(path: str | Path, flag: str) -> None:
     """A capture that can serve as REF / --control: opens complete, holds tensors, prompts and
     a full logits record at every step (UserError, exit 3, one line)."""
     with open_capture(path) as r:
-        if r.store_mode != "full":
-            raise UserError(f"{flag} {path}: it holds statistics only; impact swaps recorded "
-                            f"tensors in: capture it with --store full")
+        check_servable(r, flag)
         if not r.requests:
             raise UserError(f"{flag} {path}: it holds no prompts")
         logits_keys(r, requests_of(r), flag)
@@ -99,9 +111,8 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
         c = stack.enter_context(open_capture(opts.control)) if opts.control else None
         n = stack.enter_context(open_capture(opts.noising)) if opts.noising else None
         for cap, flag in ((r, "REF"), (c, "--control"), (n, "--noising")):
-            if cap is not None and cap.store_mode != "full":
-                raise UserError(f"{flag} {cap.path}: it holds statistics only; capture it "
-                                f"with --store full")
+            if cap is not None:
+                check_servable(cap, flag)
         requests = requests_of(r)
         _check_model(model, r, requests)
         if c is not None and requests_of(c) != requests:

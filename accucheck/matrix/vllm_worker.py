@@ -115,7 +115,7 @@ def capture(job: dict) -> dict:
     from accucheck.capture.options import CaptureOptions
     from accucheck.capture.runners.vllm import capture_vllm
 
-    opts = CaptureOptions(**{k: tuple(v) if k in ("include", "exclude") else v
+    opts = CaptureOptions(**{k: tuple(v) if k in ("include", "exclude", "requests") else v
                              for k, v in job["opts"].items()})
     capture_vllm(job["model_dir"], job["rows"], job["out"], opts, job["engine"])
     return {"error": None}

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from accucheck.compare.observer import describe, observer_effect
 from accucheck.coverage import coverage_line
-from accucheck.store import CaptureReader, IndexRow
+from accucheck.store import CaptureReader, IndexRow, Selection
 from accucheck.numbers import number
 
 
@@ -42,6 +42,7 @@ def summary(reader: CaptureReader) -> dict:
         "observer_effect": observer_effect(m),
         "coverage": m.get("coverage"), "tensor_parallel": m.get("tensor_parallel"),
         "store": reader.store_mode, "seed": (m.get("seed") or {}).get("seed"),
+        "recorded": Selection.of(m).describe(),
         "model": {k: v for k, v in (m.get("model") or {}).items() if k != "config"},
         "model_path": m.get("model_path"),
         "records": len(reader.rows), "requests": len(reader.requests), "steps": len(steps),
@@ -71,6 +72,7 @@ def render(reader: CaptureReader, flt: RecordFilter, fmt: str = "table") -> str:
         *([("observer effect", describe(info["observer_effect"]))]
           if info["observer_effect"] is not None else []),
         ("store", info["store"]),
+        *([("recorded", info["recorded"])] if info["recorded"] != "everything" else []),
         *([("coverage", coverage_line(info["coverage"]))] if info["coverage"] else []),
         *([("tensor parallel", _tp(info["tensor_parallel"]))]
           if info["tensor_parallel"] else []),

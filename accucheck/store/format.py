@@ -11,7 +11,7 @@ from typing import Sequence
 import h5py
 import numpy as np
 
-from accucheck.keys import RecordKey
+from accucheck.keys import RecordKey, layer_of
 
 
 
@@ -149,3 +149,67 @@ def _split_axis(shape: tuple[int, ...], max_elems: int) -> tuple[int, int]:
 
 def _as_str(v) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def parse_ranges(text: str) -> list[tuple[int, int]] | None:
+    """"0-3,28,29" -> [(0, 3), (28, 28), (29, 29)] (inclusive; capture --layers, --requests);
+    None when `text` is not such a list."""
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            return None
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            return None
+        out.append((lo, hi))
+    return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a capture chose to record of its run (capture --positions / --requests /
+    --layers, kept in meta "options"): "all" / "last:N" / "decode" prefill positions, the
+    request numbers recorded (empty: every one), the decoder-layer ranges ("0-3,28"; None:
+    every layer). A capture written before these options existed records everything."""
+    positions: str = "all"
+    requests: tuple[int, ...] = ()
+    layers: str | None = None
+
+    @classmethod
+    def of(cls, meta: dict) -> "Selection":
+        o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
+        pos = o.get("positions")
+        req = o.get("requests")
+        lay = o.get("layers")
+        return cls(pos if isinstance(pos, str) else "all",
+                   tuple(int(r) for r in req) if isinstance(req, list) else (),
+                   lay if isinstance(lay, str) else None)
+
+    @property
+    def partial(self) -> bool:
+        return self != Selection()
+
+    def recorded(self, key: RecordKey) -> bool:
+        """Whether this selection records `key`'s request, step and layer at all."""
+        if self.positions == "decode" and key.step == 0:
+            return False
+        if self.requests and key.req not in self.requests:
+            return False
+        if self.layers and (k := layer_of(key.module)) is not None:
+            return any(lo <= k <= hi for lo, hi in parse_ranges(self.layers) or [])
+        return True
+
+    def describe(self) -> str:
+        """"prefill positions last:4, requests 0,2, layers 0-3" ("everything" when whole)."""
+        parts = []
+        if self.positions == "decode":
+            parts.append("decode steps only")
+        elif self.positions != "all":
+            parts.append(f"prefill positions {self.positions}")
+        if self.requests:
+            parts.append("requests " + ",".join(str(r) for r in self.requests))
+        if self.layers:
+            parts.append(f"layers {self.layers}")
+        return ", ".join(parts) or "everything"

@@ -185,12 +185,13 @@ class OpRecorder(ShadowRecorder):
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 shadow: ShadowSource | None = None, keep: Sequence[str] = ()):
+                 shadow: ShadowSource | None = None, keep: Sequence[str] = (),
+                 last_positions: int | None = None):
         if graph:
             raise UserError("--level op needs --mode eager: a compiled graph does not dispatch "
                             "operators one by one; capture graph mode at --level module")
         super().__init__(model, writer, modules, record_inputs=record_inputs, graph=False,
-                         shadow=shadow, keep=keep)
+                         shadow=shadow, keep=keep, last_positions=last_positions)
         self.n_ops = 0
 
     def record_op(self, func, args: tuple, kwargs: dict):

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ from torch import nn
 from accucheck.capture.record.stats import StepStats, _no_modes, tensor_rows, to_host
 from accucheck.capture.record.links import (Frame, Pending, Producers, identity, plain_storage,
                                             view_of, weak_expired, weak_free)
-from accucheck.capture.record.selection import call_slots, flatten, inputs_of
+from accucheck.capture.record.selection import call_slots, flatten, inputs_of, token_cut
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import CaptureWriter, bf16_bits_to_float32
 
@@ -162,6 +163,27 @@ class _ForwardWrap:
             self.live[0] = False
 
 
+class _CutStats:
+    """The step's StepStats seen through a token cut (--positions last:N at a prefill): every
+    tensor taken is cut first; `shapes` maps a row to its cut shape where the cut changed it."""
+
+    def __init__(self, stats: StepStats, cut: Callable[[torch.Tensor], torch.Tensor]):
+        self._stats, self.cut, self.shapes = stats, cut, {}
+
+    def add(self, t: torch.Tensor) -> int:
+        c = self.cut(t)
+        i = self._stats.add(c)
+        if c is not t:
+            self.shapes[i] = tuple(c.shape)
+        return i
+
+    def now(self, t: torch.Tensor):
+        return self._stats.now(t)  # weights: never cut
+
+    def compute(self):
+        return self._stats.compute()
+
+
 class Recorder:
     """Records module outputs (and inputs) of one model into a CaptureWriter.
 
@@ -191,8 +213,11 @@ class Recorder:
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
                  stats_kernel: str | None = None, taps: Sequence | None = None,
-                 keep: Sequence[str] = ()):
+                 keep: Sequence[str] = (), last_positions: int | None = None):
         self.model = model
+        # --positions last:N: a prefill's tensors cut to its last N positions (token_cut)
+        self.last_positions = last_positions
+        self._skipping = False
         # modules whose outputs keep their values whatever the store mode (MoE routers: small,
         # and the diff needs them whole; accucheck.capture.record.moe)
         self.keep = frozenset(keep)
@@ -202,7 +227,7 @@ class Recorder:
         self.record_inputs = record_inputs
         self.graph = graph
         self.full = writer.store == "full"
-        self.stats = StepStats(keep=self.full, kernel=stats_kernel)
+        self.stats = self._all_stats = StepStats(keep=self.full, kernel=stats_kernel)
         self._pending: list[Pending] = []
         self._req = 0
         self._step = 0
@@ -369,7 +394,8 @@ class Recorder:
                 p.src = src or None
             if module in self.keep and not self.full:
                 with _no_modes():
-                    p.host = to_host(t)[0]
+                    p.host = to_host(self.stats.cut(t) if isinstance(self.stats, _CutStats)
+                                     else t)[0]
             outs.append(p)
         return outs
 
@@ -636,29 +662,55 @@ class Recorder:
         self._closed.clear()
         self._producers.clear()
 
-    def begin_step(self, req: int, step: int) -> None:
+    def begin_step(self, req: int, step: int, *, tokens: int | None = None,
+                   record: bool = True) -> None:
+        """A forward begins: request `req`, step `step` of `tokens` input positions (for
+        --positions last:N; None: not cut). `record=False` (a request or prefill the
+        selection leaves out): the forward runs unrecorded and end_step writes nothing."""
+        if self._skipping:  # a skipped step that never ended
+            self._pause -= 1
+        self._skipping = not record
+        if not record:
+            self._pause += 1
         self._pending.clear()
         self._reset_step_state()
-        self.stats.compute()  # a step that never ended leaves nothing behind
+        self._all_stats.compute()  # a step that never ended leaves nothing behind
         self._req, self._step = req, step
+        cut = token_cut(tokens, self.last_positions) if tokens is not None else None
+        self.stats = _CutStats(self._all_stats, cut) if cut is not None else self._all_stats
 
     def end_step(self, logits: torch.Tensor | None = None) -> int:
         """Turn what the hooks collected (plus the step's logits) into records; flush.
         Returns the number of records written."""
+        if self._skipping:
+            self._skipping = False
+            self._pause -= 1
+            self._pending.clear()
+            self._producers.clear()
+            self._all_stats.compute()
+            return 0
         items = list(self._pending)
         self._pending.clear()
         self._producers.clear()  # links never cross a step
         if logits is not None:
             items.append(Pending(LOGITS_MODULE, "out", "0", "logits", None, "", (), 0,
                                   tensor=logits.detach()))
+        cut = self.stats.cut if isinstance(self.stats, _CutStats) else None
         for p in items:
             t = p.tensor
             if t is not None:  # graph mode / logits: statistics now
+                if cut is not None:
+                    t = cut(t)
                 if p.module in self.keep and not self.full:
                     p.host = to_host(t)[0]
                 p.stats = self.stats.add(t)
                 p.dtype, p.shape, p.numel = dtype_name(t), tuple(t.shape), t.numel()
                 p.tensor = None
+        if cut is not None:  # the eager hooks' records: their shapes as cut
+            for p in items:
+                shape = self.stats.shapes.get(p.stats) if type(p.stats) is int else None
+                if shape is not None:
+                    p.shape, p.numel = shape, math.prod(shape)
         raw, hosts = self.stats.compute()  # every record of the step, one transfer
         if not items:
             return 0

@@ -7,7 +7,7 @@ the vLLM plugin.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -61,9 +61,11 @@ def is_kind(mod: nn.Module, suffixes: tuple[str, ...]) -> bool:
 
 
 def select_modules(model: nn.Module, include: Sequence[str] | None = None,
-                   exclude: Sequence[str] | None = None) -> list[str]:
+                   exclude: Sequence[str] | None = None,
+                   layers: Sequence[tuple[int, int]] | None = None) -> list[str]:
     """Module paths to hook, in `named_modules` order. `include` globs replace the default
-    selection; `exclude` globs then remove paths."""
+    selection; `exclude` globs then remove paths; `layers` (--layers, inclusive ranges) then
+    removes the paths inside decoder layers outside them (paths outside layers stay)."""
     if include:
         names = [n for n, _ in model.named_modules()
                  if n and any(fnmatch.fnmatchcase(n, p) for p in include)]
@@ -71,7 +73,34 @@ def select_modules(model: nn.Module, include: Sequence[str] | None = None,
         names = default_modules(model)
     if exclude:
         names = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
+    if layers:
+        names = [n for n in names if (k := layer_of(n)) is None
+                 or any(lo <= k <= hi for lo, hi in layers)]
     return names
+
+
+def token_cut(tokens: int, last: int | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """--positions last:N at a forward of `tokens` input positions (one request: a batch of
+    one, or vLLM's flat tokens): the cut of a tensor to its last N positions, None where
+    nothing is cut (every position kept, or `tokens` <= N: a decode step). The position axis
+    is axis 1 after a batch axis of 1 ([1, tokens, ...]: hidden states, rotary cos / sin,
+    logits), else axis 0 when its length is `tokens` ([tokens, experts]: router logits); a
+    tensor with neither is kept whole (an attention mask, the heads-first q / k / v of
+    op-level records). An MoE expert's gathered tokens are cut only if every token reached
+    it (then they are the positions, in order); both runs apply the same rule, so records
+    pair alike."""
+    if last is None or tokens <= last:
+        return None
+    start = tokens - last
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        s = t.shape
+        if len(s) >= 2 and s[0] == 1 and s[1] == tokens:
+            return t[:, start:]
+        if len(s) >= 1 and s[0] == tokens:
+            return t[start:]
+        return t
+    return cut
 
 
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -42,7 +42,7 @@ from accucheck.capture.record.recorder import Recorder
 from accucheck.capture.record.selection import flatten
 from accucheck.errors import UserError
 from accucheck.keys import clean_slot
-from accucheck.store import CaptureReader, CaptureWriter, open_capture
+from accucheck.store import CaptureReader, CaptureWriter, Selection, open_capture
 
 
 def _no_dispatch_modes():
@@ -75,6 +75,10 @@ class ShadowSource:
             self.reader.close()
             raise UserError(f"--shadow {path}: it was captured without --inputs; capture the "
                             f"reference with --store full --inputs")
+        if Selection.of(self.reader.meta).positions != "all":
+            self.reader.close()
+            raise UserError(f"--shadow {path}: it records part of each prefill (--positions); "
+                            f"a replay needs whole inputs: capture the reference without it")
         self._mod: dict[tuple, dict[str, str]] = {}
         self._ops: dict[tuple, tuple[int, dict[str, str]]] = {}
         occ: dict[tuple, int] = {}
@@ -184,9 +188,10 @@ class ShadowRecorder(Recorder):
 
     def __init__(self, model: nn.Module, writer: CaptureWriter, modules: Sequence[str], *,
                  record_inputs: bool = False, graph: bool = False,
-                 shadow: ShadowSource | None = None, keep: Sequence[str] = ()):
+                 shadow: ShadowSource | None = None, keep: Sequence[str] = (),
+                 last_positions: int | None = None):
         super().__init__(model, writer, modules, record_inputs=record_inputs, graph=graph,
-                         keep=keep)
+                         keep=keep, last_positions=last_positions)
         if graph:
             raise UserError("--shadow and --level op need --mode eager (the replay and the op "
                             "attribution run module by module)")

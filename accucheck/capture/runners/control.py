@@ -6,8 +6,8 @@ A control is the reference's code at the candidate's dtype on a trusted device (
 CPU; or the GPU itself at another batch size or thread count), forced to the reference's
 tokens (accucheck.compare.control). So it takes from REF: the prompts (as token ids: the same
 tokenization whatever the tokenizer here), the generated tokens (teacher forcing), the store
-mode, the module selection (--include / --exclude), --inputs, --level and the number of
-decode steps; and from the command line: the device (default cpu), the dtype (default: the
+mode, the module selection (--include / --exclude / --layers), what is recorded of the run
+(--positions, --requests), --inputs, --level and the number of decode steps; and from the command line: the device (default cpu), the dtype (default: the
 reference's, the bf16-vs-bf16 case; give --dtype bfloat16 for a float32 reference), the seed
 and --deterministic. It always runs eager (the trusted path).
 
@@ -31,7 +31,8 @@ from accucheck.capture.options import CaptureOptions
 from accucheck.errors import UserError
 from accucheck.store import open_capture
 
-TAKEN = ("store", "include", "exclude", "record_inputs", "level", "max_new_tokens")
+TAKEN = ("store", "include", "exclude", "record_inputs", "level", "max_new_tokens",
+         "positions", "requests", "layers")
 
 
 def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool,
@@ -45,7 +46,7 @@ def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool,
         raise UserError(f"--control-for {ref}: it holds no prompts to follow")
     taken = meta.get("options") if isinstance(meta.get("options"), dict) else {}
     fields = {k: taken[k] for k in TAKEN if k in taken}
-    for k in ("include", "exclude"):
+    for k in ("include", "exclude", "requests"):
         if k in fields:
             fields[k] = tuple(fields[k] or ())
     steps = {len(q.generated_ids) for q in requests}

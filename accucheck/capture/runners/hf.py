@@ -20,7 +20,8 @@ from accucheck.capture import device as dev
 from accucheck.capture.record.compiling import (CompileProgress, backend_for, compile_stats,
                                                 dynamo_quiet)
 from accucheck.capture.faults import dithered
-from accucheck.capture.options import CaptureOptions
+from accucheck.capture.options import (CaptureOptions, check_requests, parse_layers,
+                                       parse_positions, records)
 from accucheck.capture.session import (CaptureSession, check_input, check_output_path,
                                        interruptible)
 from accucheck.capture.models import (check_model_dir, config_hash, greedy_run, is_causal_lm,
@@ -99,10 +100,12 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
         prompt_ids = [f[0] for f in forced]
     seeded = dev.seed_everything(opts.seed, spec)
     determinism = dev.set_deterministic(spec) if opts.deterministic else {}
-    modules = select_modules(model, opts.include, opts.exclude)
+    modules = select_modules(model, opts.include, opts.exclude,
+                             parse_layers(opts.layers) if opts.layers else None)
     if not modules:
-        raise UserError("no module matches --include/--exclude: run `accucheck capture "
-                        "--list-modules` to see the module paths")
+        raise UserError("no module matches --include/--exclude/--layers: run `accucheck "
+                        "capture --list-modules` to see the module paths")
+    check_requests(opts, len(prompt_ids))
     routers = find_routers(model)
     taps = None
     if opts.mode == "graph" and not (opts.include or opts.exclude or opts.record_inputs) \
@@ -202,10 +205,11 @@ def _generate(session: CaptureSession, recorder: Recorder, model: nn.Module,
             for r, ids in enumerate(run.prompt_ids):
                 at = [0]
 
-                def on_step(step, r=r, at=at):
+                def on_step(step, r=r, at=at, n=len(ids)):
                     guard.check()
                     session.tick(r, step)
-                    recorder.begin_step(r, step)
+                    recorder.begin_step(r, step, tokens=n if step == 0 else 1,
+                                        record=records(opts, r, step))
                     if replay is not None:
                         replay.begin_step(r, step)
                     at[0] = step
@@ -277,15 +281,16 @@ def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],
     `source`: the opened --shadow reference (closed by the caller on failure); `taps`: graph
     mode's kernel-boundary taps (accucheck.capture.record.graph), None for the module selection;
     `keep`: modules whose outputs keep their values in --store stats (MoE routers)."""
+    last = parse_positions(opts.positions) or None  # "decode": no prefill step is recorded
     if opts.level == "module" and not opts.shadow:
         return Recorder(model, writer, modules, record_inputs=opts.record_inputs,
-                        graph=opts.mode == "graph", taps=taps, keep=keep)
+                        graph=opts.mode == "graph", taps=taps, keep=keep, last_positions=last)
     from accucheck.capture.record.ops import OpRecorder
     from accucheck.capture.record.shadow import ShadowRecorder
 
     cls = OpRecorder if opts.level == "op" else ShadowRecorder
     return cls(model, writer, modules, record_inputs=opts.record_inputs,
-               graph=opts.mode == "graph", shadow=source, keep=keep)
+               graph=opts.mode == "graph", shadow=source, keep=keep, last_positions=last)
 
 
 def _probe(model: nn.Module, ids: Sequence[int], device: torch.device, causal: bool) -> None:
@@ -294,8 +299,9 @@ def _probe(model: nn.Module, ids: Sequence[int], device: torch.device, causal: b
     model(input_ids=x, use_cache=False) if causal else model(input_ids=x)
 
 
-def list_modules(model: nn.Module, include=(), exclude=()) -> list[str]:
-    return select_modules(model, include, exclude)
+def list_modules(model: nn.Module, include=(), exclude=(), layers: str | None = None
+                 ) -> list[str]:
+    return select_modules(model, include, exclude, parse_layers(layers) if layers else None)
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 from accucheck.capture import device as dev
 from accucheck.capture.runners import vllm_facts as vf
 from accucheck.capture.options import (VLLM_FORCED_ENGINE, CaptureOptions, check_runner,
+                                       check_requests, parse_layers, parse_positions, records,
                                        vllm_dtype)
 from accucheck.capture.runners.hf import forced_tokens, tokenize_prompts
 from accucheck.capture.session import (CaptureSession, check_output_path, interruptible,
@@ -104,6 +105,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                            tokenizer, opts.max_new_tokens) if opts.tokens_from else None
     if forced is not None:
         prompt_ids = [f[0] for f in forced]
+    check_requests(opts, len(prompt_ids))
     n_new = opts.max_new_tokens
 
     from accucheck.capture.runners import vllm_plugin as plugin
@@ -111,7 +113,10 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     cfg = plugin.PluginConfig(include=tuple(opts.include), exclude=tuple(opts.exclude),
                               record_inputs=opts.record_inputs, graph=opts.mode == "graph",
                               full=opts.store == "full", test_fault=planted_test_fault(),
-                              deterministic=opts.deterministic)
+                              deterministic=opts.deterministic,
+                              last=parse_positions(opts.positions) or None,
+                              requests=opts.requests, no_prefill=opts.positions == "decode",
+                              layers=tuple(parse_layers(opts.layers)) if opts.layers else ())
     tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
     with _capture_env(spec, dtype, opts, cfg, tp, out) as spill:
         _check_platform(spec)
@@ -160,7 +165,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                           for r, g in got.items()}, _info(infos)["kinds"], tp,
                                          reader.data)
                     cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
-                                 int(hf_config.vocab_size), sorted(got), reader.data, check)
+                                 int(hf_config.vocab_size), sorted(got), reader.data, check,
+                                 opts=opts)
                     timing["merge_write_s"] = time.monotonic() - t0
                 writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()},
@@ -609,13 +615,17 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
            n_new: int, vocab: int, ranks: list[int], load,
-           check: ObserverCheck | None = None) -> dict:
+           check: ObserverCheck | None = None, *, opts: CaptureOptions) -> dict:
     """Write the merged records (their tensors from `load(record)`, one at a time) and the
-    logits per request and step; returns the coverage verdict (accucheck.coverage) of what the
-    ranks recorded."""
+    logits per request and step, as far as the selection records them (--positions,
+    --requests; the workers applied it to their records); returns the coverage verdict
+    (accucheck.coverage) of what the ranks recorded."""
     import torch
 
     from accucheck.capture.record.recorder import stats_rows
+    from accucheck.capture.record.selection import token_cut
+
+    last = parse_positions(opts.positions) or None
 
     by_step: dict[tuple[int, int], list] = {}
     for slot, rec in merged.records:
@@ -641,7 +651,11 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
             for slot, rec in by_step.pop((r, step), []):  # merge_ranks keeps execution order
                 writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, slot), "module",
                            rec.dtype, rec.shape, rec.stats, rec.checksum, load(rec))
+            if not records(opts, r, step):
+                continue
             lg = logits[step]
+            if step == 0 and (cut := token_cut(lg.shape[1], last)) is not None:
+                lg = np.ascontiguousarray(cut(torch.from_numpy(lg)).numpy())
             [(stats, checksum)] = stats_rows([torch.from_numpy(lg)], [lg])
             writer.add(RecordKey(r, step, LOGITS_MODULE, 0, "out", "0"), "logits", "float32",
                        lg.shape, stats, checksum, lg if writer.store == "full" else None)
@@ -651,7 +665,8 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
         release_freed_memory()
     if by_step:
         raise RuntimeError(f"records for steps vLLM did not report: {sorted(by_step)[:5]}")
-    return coverage(merged.seen, len(prompt_ids), n_new + 1, ranks)
+    return coverage(merged.seen, len(prompt_ids), n_new + 1, ranks, only=opts.requests,
+                    first_step=1 if opts.positions == "decode" else 0)
 
 
 def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarray]:

@@ -46,7 +46,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from accucheck.capture.device import deterministic_torch
 from accucheck.capture.record.recorder import stats_rows
-from accucheck.capture.record.selection import flatten, inputs_of, select_modules
+from accucheck.capture.record.selection import flatten, inputs_of, select_modules, token_cut
 from accucheck.capture.record.spill import Spill, release_freed_memory
 from accucheck.capture.record.stats import to_host
 from accucheck.capture.runners.vllm_test_faults import plant_test_fault
@@ -91,13 +91,22 @@ class PluginConfig:
     # a directory every rank writes its tensors into as its forwards complete (`Spill`), so
     # that no worker holds more than one forward's tensors; None: they travel with the records
     spill: str | None = None
+    # what is recorded of the run (capture --positions / --requests / --layers): the last N
+    # prefill positions (None: all), the requests (empty: all), no prefill record at all,
+    # the decoder-layer ranges (empty: all)
+    last: int | None = None
+    requests: tuple[int, ...] = ()
+    no_prefill: bool = False
+    layers: tuple[tuple[int, int], ...] = ()
 
     def to_env(self) -> str:
         return json.dumps({"include": list(self.include), "exclude": list(self.exclude),
                            "record_inputs": self.record_inputs, "graph": self.graph,
                            "full": self.full, "test_fault": self.test_fault,
                            "record": self.record, "deterministic": self.deterministic,
-                           "spill": self.spill})
+                           "spill": self.spill, "last": self.last,
+                           "requests": list(self.requests), "no_prefill": self.no_prefill,
+                           "layers": [list(r) for r in self.layers]})
 
     @classmethod
     def from_env(cls) -> "PluginConfig | None":
@@ -108,7 +117,14 @@ class PluginConfig:
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
                    bool(d.get("record_inputs")), bool(d.get("graph")), bool(d.get("full")),
                    d.get("test_fault"), bool(d.get("record", True)),
-                   bool(d.get("deterministic")), d.get("spill"))
+                   bool(d.get("deterministic")), d.get("spill"), d.get("last"),
+                   tuple(d.get("requests") or ()), bool(d.get("no_prefill")),
+                   tuple(tuple(r) for r in d.get("layers") or ()))
+
+    def records(self, req: int, step: int) -> bool:
+        """Whether the selection records request `req` at step `step`."""
+        return (not self.requests or req in self.requests) and \
+            not (step == 0 and self.no_prefill)
 
 
 @dataclass
@@ -274,7 +290,8 @@ class Collector:
         self._calls: dict[tuple[str, str], int] = {}
         self._active = [False]  # eager hooks record only inside execute_model (not profiling)
         by_name = dict(self.model.named_modules())
-        self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude)
+        self.modules = [n for n in select_modules(self.model, cfg.include, cfg.exclude,
+                                                  cfg.layers or None)
                         if vllm_kind(by_name[n]) != "PPMissingLayer"]
         if not cfg.include:
             self.modules = vllm_default(self.model, self.modules)
@@ -473,6 +490,8 @@ class Collector:
             items.append((name, role, call, slot, t))
         gates = {g for _e, g in self.routers}
         for req, step, s0, cnt, more in plan:
+            if not self.cfg.records(req, step):
+                continue
             pieces = [(name, role, call, slot, t.unsqueeze(0))
                       for name, role, call, slot, t in _split_leaves(
                           _hf_equivalent(items, s0, cnt, gates), self._splits)]
@@ -480,6 +499,11 @@ class Collector:
                 pieces = self._join_chunks(req, pieces, more)
             if not pieces:
                 continue
+            if step == 0 and self.cfg.last is not None:  # --positions last:N
+                n = pieces[0][4].shape[1]
+                cut = token_cut(n, self.cfg.last)
+                if cut is not None:
+                    pieces = [(*p[:4], cut(p[4])) for p in pieces]
             full = self.cfg.full
             hosts = [to_host(t)[0] if full else None for *_, t in pieces]
             for (name, role, call, slot, t), host, (stats, checksum) in zip(
