@@ -117,6 +117,10 @@ def test_unknown_keys_are_named(tmp_path, text, named):
     ("[candidate]\ncapture = 'nope.h5'\n", "candidate.capture"),
     ("previous = 'nope.json'\n", "previous"),
     ("prompts = 'one'\n", "prompts must be a list"),
+    ("positions = 'first:3'\n", "positions = 'first:3': use all, decode or last:N"),
+    ("[candidate]\nlayers = '3-1'\n", "candidate.layers = '3-1': use layer numbers"),
+    ("prompts = ['a']\nrequests = '1'\n", "reference.requests names request 1: the scenario "
+                                            "has 1 prompt(s)"),
 ])
 def test_bad_values_are_named(tmp_path, text, named):
     with pytest.raises(UserError) as e:
@@ -216,3 +220,19 @@ def test_impact_needs_an_hf_candidate_and_a_full_reference():
         with pytest.raises(UserError) as e:
             scenario_from_dict({"prompts": ["a"], "impact": {}, **data})
         assert named in str(e.value), str(e.value)
+
+
+def test_a_selection_flows_to_every_run_and_keeps_impact_out():
+    """positions / requests / layers (capture --positions ...): the defaults' reach the
+    reference and candidate; the control and the default golden take the reference's, so every
+    diff compares like with like; [impact] replays whole runs and refuses them."""
+    s = scenario_from_dict({"prompts": ["a b", "c d"], "positions": "last:2", "requests": "1",
+                            "reference": {"layers": "0-1"}, "candidate": {"dtype": "bfloat16"}})
+    sel = lambda r: (r.positions, r.requests, r.layers)  # noqa: E731
+    assert sel(s.reference) == ("last:2", (1,), "0-1")
+    assert sel(s.candidate) == ("last:2", (1,), None)
+    assert sel(s.control) == sel(s.reference)
+    assert sel(s.golden) == ("last:2", (1,), None)
+    with pytest.raises(UserError) as e:
+        scenario_from_dict({"prompts": ["a"], "positions": "decode", "impact": {}})
+    assert "replays every position of every request" in str(e.value)

@@ -155,3 +155,24 @@ def test_a_partial_capture_cannot_serve_impact_or_shadow(tiny_dir, caps, tmp_pat
     code, _, err = run(["capture", tiny_dir, "--shadow", caps / "whole.h5", "--positions",
                         "last:2", "-o", tmp_path / "s.h5"], capsys)
     assert code == 2 and "--shadow replays modules on whole inputs" in err
+
+
+@pytest.mark.slow
+def test_a_signoff_of_the_last_positions_names_the_planted_fault(tmp_path):
+    """A sign-off at production settings records less: positions / requests in the scenario
+    reach every run (the golden's and the reference's diffs compare like with like) and the
+    planted fault is still named."""
+    from accucheck.signoff.run import signoff
+
+    scn = tmp_path / "sel.toml"
+    scn.write_text(
+        'model = "@tiny"\nprompts = ["The quick brown fox jumps over the lazy dog", '
+        '"Accuracy of large language models"]\nmax_new_tokens = 2\nstore = "full"\n'
+        'positions = "last:3"\nrequests = "1"\n[candidate]\n'
+        'fault = { module = "model.layers.2.post_attention_layernorm", kind = "bf16" }\n')
+    res = signoff(scn, out_dir=tmp_path / "report", progress=lambda _m: None)
+    assert res.exit_code == 1 and res.culprit == "model.layers.2.post_attention_layernorm#0"
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    with open_capture(tmp_path / "report" / doc["runs"]["golden"]["capture"]) as g:
+        assert Selection.of(g.meta) == Selection("last:3", (1,))
+        assert {r.key.req for r in g.rows} == {1}

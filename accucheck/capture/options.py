@@ -11,13 +11,12 @@ Imports torch only through capture.models.parse_dtype (for the dtype names).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 
 from accucheck.capture import device as dev
 from accucheck.capture.models import parse_dtype
 from accucheck.errors import UserError
-from accucheck.store import parse_ranges
+from accucheck.store import parse_layers, parse_positions, parse_requests  # noqa: F401
 
 MODES = ("eager", "graph")
 LEVELS = ("module", "op")
@@ -55,7 +54,7 @@ class CaptureOptions:
     (accucheck.capture.faults.dithered): a device of this precision that is correct to one
     ULP, not only round-to-nearest. What a control run is made with by default
     (capture.runners.control); eager, hf runner only.
-    positions / requests / layers: capture less, on purpose (capture.record.window): "all",
+    positions / requests / layers: capture less, on purpose (store.Selection): "all",
     "last:N" (the last N positions of each prefill; every decode step) or "decode" (no record
     of the prefill); the request numbers recorded (all run; empty: every one); the decoder
     layers recorded ("0-3,28-29"; modules outside layers are kept). Each is in meta `options`
@@ -136,40 +135,6 @@ class CaptureOptions:
         return {flag: path for flag, path in (("--tokens-from", self.tokens_from),
                                               ("--shadow", self.shadow),
                                               ("--routing-from", self.routing_from)) if path}
-
-
-def parse_positions(text: str) -> int | None:
-    """--positions: "all" -> None (every position), "last:N" -> N (N >= 1), "decode" -> 0
-    (no prefill position). UserError.usage for anything else."""
-    if text == "all":
-        return None
-    if text == "decode":
-        return 0
-    m = re.fullmatch(r"last:(\d+)", text)
-    if not m or int(m.group(1)) < 1:
-        raise UserError.usage(f"--positions {text!r}: use all, decode or last:N (N >= 1)")
-    return int(m.group(1))
-
-
-def parse_layers(text: str) -> list[tuple[int, int]]:
-    """--layers "0-3,28,29" -> [(0, 3), (28, 28), (29, 29)] (inclusive). UserError.usage for
-    anything else."""
-    out = parse_ranges(text)
-    if out is None:
-        raise UserError.usage(f"--layers {text!r}: use layer numbers and ranges, e.g. "
-                              f"0-3,28,29")
-    return out
-
-
-def parse_requests(text: str) -> tuple[int, ...]:
-    """--requests "0,2-3" -> (0, 2, 3). UserError.usage for anything else."""
-    ranges = parse_ranges(text)
-    if ranges is None:
-        raise UserError.usage(f"--requests {text!r}: use request numbers and ranges, e.g. "
-                              f"0,2-3")
-    if sum(hi - lo + 1 for lo, hi in ranges) > 1_000_000:
-        raise UserError.usage(f"--requests {text!r}: more than a million requests")
-    return tuple(sorted({r for lo, hi in ranges for r in range(lo, hi + 1)}))
 
 
 def check_requests(opts: CaptureOptions, n: int) -> None:

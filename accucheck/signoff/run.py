@@ -284,7 +284,8 @@ def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None
                           routing_from=str(tokens_from) if tokens_from and spec.routing_replay
                           else None,
                           compile_backend=spec.compile_backend, force=force, meta_extra=extra,
-                          dither=spec.dither if spec.runner == "hf" else None)
+                          dither=spec.dither if spec.runner == "hf" else None,
+                          positions=spec.positions, requests=spec.requests, layers=spec.layers)
     t = time.monotonic()
     log(f"signoff: capturing the {role} ({spec.label}) for {len(scn.prompts)} prompt(s), "
         f"{scn.max_new_tokens} decode step(s)" + (", teacher-forced" if tokens_from else "")

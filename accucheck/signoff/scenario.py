@@ -17,6 +17,9 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
     deterministic = false
     include = []                            # module globs (default: the capture default set)
     exclude = []
+    positions = "all"                       # what is recorded (capture --positions / --requests
+    # requests = "0,2-3"; layers = "20-27"  # / --layers); a control takes the reference's,
+                                            # the default golden these; not with [impact]
     previous = "reports/1.2/report.json"    # optional: the last release's report.json (or a
                                             # capture of the last release's candidate, .h5)
 
@@ -97,6 +100,7 @@ from typing import Any
 
 from accucheck.errors import UserError
 from accucheck.compare.tolerances import ToleranceTable
+from accucheck.store import parse_layers, parse_positions, parse_requests
 from accucheck.matrix.knobs import parse_knobs
 
 TINY = "@tiny"
@@ -143,6 +147,9 @@ class RunSpec:
     fault: Fault | None = None
     dither: int | None = None         # faults.dithered(seed): another device's rounding (a
                                       # control's default; TESTING ONLY in a candidate)
+    positions: str = "all"            # what is recorded (capture --positions / --requests /
+    requests: tuple[int, ...] = ()    # --layers): a control takes the reference's, the
+    layers: str | None = None         # default golden the run defaults
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -232,7 +239,9 @@ class Scenario:
 # ----------------------------------------------------------------------------- loading
 
 _RUN_KEYS = {"runner", "device", "dtype", "mode", "seed", "store", "deterministic", "include",
-             "exclude", "record_inputs", "compile_backend", "engine_args"}
+             "exclude", "record_inputs", "compile_backend", "engine_args", "positions",
+             "requests", "layers"}
+_SELECTION = ("positions", "requests", "layers")  # what a run records (capture --positions ...)
 _RUN_ONLY_KEYS = {"capture", "teacher_forcing", "fault", "dither", "routing_replay"}
 _TOP_KEYS = {"name", "description", "model", "prompts", "prompts_file", "max_new_tokens",
              "previous", "trust_remote_code", "reference", "candidate", "golden", "control",
@@ -329,6 +338,11 @@ def scenario_from_dict(data: dict, *, base: Path | None = None, src: str = "<sce
         prompts += _read_prompts_file(_rel(base, pf), src)
     mnt = top.count("max_new_tokens", 4)
     runs = _runs(top, data, base, src)
+    for role, spec in runs.items():
+        if spec is not None and prompts and spec.requests and max(spec.requests) >= len(prompts):
+            raise UserError(f"{src}: {role}.requests names request {max(spec.requests)}: the "
+                            f"scenario has {len(prompts)} prompt(s), numbered 0 to "
+                            f"{len(prompts) - 1}")
     thr = _thresholds(top.get("thresholds", dict, {}), src)
     prev = top.get("previous", str)
     previous = _rel(base, prev)
@@ -468,6 +482,9 @@ def _impact(r: _Reader, runs: dict) -> ImpactSpec | None:
     if ref.capture is None and ref.store != "full":
         raise r.fail("enabled", 'swaps the reference\'s tensors in: the reference needs '
                                 'store = "full"')
+    if ref.capture is None and (ref.positions, ref.requests, ref.layers) != ("all", (), None):
+        raise r.fail("enabled", "replays every position of every request: the reference "
+                                "cannot set positions / requests / layers")
     return ImpactSpec(r.strings("include"), r.count("bisect", 1))
 
 
@@ -479,6 +496,7 @@ def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
     return {**defaults, "runner": "hf", "device": "cpu", "mode": "eager", "dtype": cand.dtype,
             "store": ref.store, "include": ref.include, "exclude": ref.exclude,
             "record_inputs": ref.record_inputs, "engine_args": {}, "compile_backend": None,
+            **{k: getattr(ref, k) for k in _SELECTION},
             # correct to one ULP, as `capture --control-for` makes it (capture.runners.control)
             "dither": defaults.get("seed", 0)}
 
@@ -488,7 +506,8 @@ def default_golden(defaults: dict) -> RunSpec:
     float64, eager, on the CPU (hf runner), every tensor stored, teacher-forced onto the
     reference's tokens. Turn it off for a model too large for a float64 CPU run: the noise
     floor then judges what the tolerances pass."""
-    keep = {k: v for k, v in defaults.items() if k in ("seed", "include", "exclude")}
+    keep = {k: v for k, v in defaults.items()
+            if k in ("seed", "include", "exclude", *_SELECTION)}
     return RunSpec("golden", runner="hf", device="cpu", dtype="float64", mode="eager",
                    store="full", teacher_forcing=True, **keep)
 
@@ -521,6 +540,23 @@ def _run_fields(r: _Reader, defaults: dict) -> dict:
         out["compile_backend"] = r.get("compile_backend", str)
     if "engine_args" in r.table:
         out["engine_args"] = dict(r.get("engine_args", dict))
+    out.update(_selection(r))
+    return out
+
+
+def _selection(r: _Reader) -> dict:
+    """positions / requests / layers, as `accucheck capture` reads them ("last:16", "0,2-3",
+    "20-27")."""
+    out = {}
+    for key, parse in (("positions", parse_positions), ("requests", parse_requests),
+                       ("layers", parse_layers)):
+        if key in r.table:
+            text = r.get(key, str)
+            try:
+                value = parse(text)
+            except UserError as e:
+                raise r.fail(key, f"= {text!r}: {str(e).split(': ', 1)[-1]}") from None
+            out[key] = value if key == "requests" else text
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 import h5py
 import numpy as np
 
+from accucheck.errors import UserError
 from accucheck.keys import RecordKey, layer_of
 
 
@@ -165,6 +166,40 @@ def parse_ranges(text: str) -> list[tuple[int, int]] | None:
             return None
         out.append((lo, hi))
     return out
+
+
+def parse_positions(text: str) -> int | None:
+    """--positions: "all" -> None (every position), "last:N" -> N (N >= 1), "decode" -> 0
+    (no prefill position). UserError.usage for anything else."""
+    if text == "all":
+        return None
+    if text == "decode":
+        return 0
+    m = re.fullmatch(r"last:(\d+)", text)
+    if not m or int(m.group(1)) < 1:
+        raise UserError.usage(f"--positions {text!r}: use all, decode or last:N (N >= 1)")
+    return int(m.group(1))
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    """--layers "0-3,28,29" -> [(0, 3), (28, 28), (29, 29)] (inclusive). UserError.usage for
+    anything else."""
+    out = parse_ranges(text)
+    if out is None:
+        raise UserError.usage(f"--layers {text!r}: use layer numbers and ranges, e.g. "
+                              f"0-3,28,29")
+    return out
+
+
+def parse_requests(text: str) -> tuple[int, ...]:
+    """--requests "0,2-3" -> (0, 2, 3). UserError.usage for anything else."""
+    ranges = parse_ranges(text)
+    if ranges is None:
+        raise UserError.usage(f"--requests {text!r}: use request numbers and ranges, e.g. "
+                              f"0,2-3")
+    if sum(hi - lo + 1 for lo, hi in ranges) > 1_000_000:
+        raise UserError.usage(f"--requests {text!r}: more than a million requests")
+    return tuple(sorted({r for lo, hi in ranges for r in range(lo, hi + 1)}))
 
 
 @dataclass(frozen=True)
