@@ -255,7 +255,9 @@ def test_force_replaces_an_existing_capture_only_when_complete(tiny_dir, work, c
      "--compile-backend is for --runner hf"),
     (["--runner", "vllm", "--engine-arg", "enforce_eager=false"], "contradicts --mode eager"),
     (["--runner", "vllm", "--engine-arg", "enable_prefix_caching=true"],
-     "cannot be used for a capture"),
+     "enable_prefix_caching=True needs --positions last:1 or decode"),
+    (["--runner", "vllm", "--engine-arg", "enable_prefix_caching=true", "--positions",
+      "last:2"], "enable_prefix_caching=True needs --positions last:1 or decode"),
     (["--store", "everything"], "Invalid value for '--store'"),
     (["--no-such-flag"], "No such option"),
     (["-o", "."], "is a directory"),  # click's own check of a path argument

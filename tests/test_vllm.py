@@ -374,6 +374,67 @@ def test_a_selection_records_the_last_positions_of_a_chunked_prefill(tiny_dir, w
 
 
 @vllm_mark
+def test_the_last_position_only_asks_vllm_for_no_prompt_logits(tiny_dir, work, eager,
+                                                               monkeypatch):
+    """--positions last:1: the prompt logits are not asked of vLLM (its Python lists of every
+    position's vocabulary are what grows the front end, docs/scale.md); the last position's
+    logits come from the first sample and equal the whole capture's last position."""
+    from accucheck.capture.runners import vllm as runner
+
+    asked = []
+    orig = runner._sampling_params
+    monkeypatch.setattr(runner, "_sampling_params",
+                        lambda *a, **k: asked.append(orig(*a, **k)) or asked[-1])
+    out = runner.capture_vllm(tiny_dir, PROMPTS, work / "vllm_last1.h5",
+                              CaptureOptions(store="full", max_new_tokens=N_NEW,
+                                             positions="last:1"), dict(ENGINE))
+    assert asked and all(p.prompt_logprobs is None for p in asked[0])
+    with open_capture(out) as c, open_capture(eager) as e:
+        for r in c.rows:
+            a, b = e.read(r.key), c.read(r.key)
+            if r.key.step == 0:
+                assert b.shape[1] == 1, r.key
+                a = a[:, -1:]
+            assert _rel_l2(a, b) < FP32_NOISE, r.key
+        assert {r.key.req for r in c.rows if r.key.is_logits} == {0, 1}
+
+
+@vllm_mark
+def test_a_prefix_cached_capture_equals_a_cold_one(tiny_dir, work):
+    """issue 36: enable_prefix_caching with --positions last:1 (no prompt logits asked, so vLLM
+    reads its cache): the second request, which shares a long prefix with the first and runs
+    after it (max_num_seqs=1), gets most of its prompt from the cache; meta "prefix_cached"
+    says how much, its prefill computes and records only the rest, and the capture compares
+    with a cold one record by record within fp32 noise. Recording more positions with the
+    cache on is refused (vLLM skips the cache for prompt logits)."""
+    from accucheck.capture.runners.vllm import capture_vllm
+    from accucheck.compare.diff import diff_captures
+
+    prefix = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
+    prompts = [prefix + " and then", prefix + " while numbers drift"]
+    opts = CaptureOptions(store="full", max_new_tokens=2, positions="last:1")
+    engine = dict(ENGINE, max_num_seqs=1)
+    warm = capture_vllm(tiny_dir, prompts, work / "vllm_prefix.h5", opts,
+                        dict(engine, enable_prefix_caching=True))
+    cold = capture_vllm(tiny_dir, prompts, work / "vllm_cold.h5", opts, dict(engine))
+    with open_capture(warm) as w, open_capture(cold) as c:
+        hit = w.meta["prefix_cached"]
+        assert set(hit) == {"1"} and hit["1"] >= 200, hit
+        assert not c.meta["prefix_cached"]
+        assert [str(r.key) for r in w.rows] == [str(r.key) for r in c.rows]
+        assert [r.shape for r in w.rows] == [r.shape for r in c.rows]
+    assert _tokens(warm) == _tokens(cold)
+    worst = _worst(cold, warm)
+    assert max(worst.values()) < FP32_NOISE, worst
+    assert diff_captures(cold, warm).within
+    with pytest.raises(UserError) as e:
+        capture_vllm(tiny_dir, prompts, work / "x.h5",
+                     CaptureOptions(store="full", positions="last:2"),
+                     dict(engine, enable_prefix_caching=True))
+    assert "enable_prefix_caching=True needs --positions last:1 or decode" in str(e.value)
+
+
+@vllm_mark
 def test_hf_against_vllm_in_the_default_stats_store_compares_leaf_by_leaf(tiny_dir, work,
                                                                          capsys):
     """issue 33: `accucheck capture MODEL` (HF) against `accucheck capture MODEL --runner vllm
@@ -451,7 +512,8 @@ def test_missing_vllm_names_the_extra(tiny_dir, tmp_path, monkeypatch):
     (dict(dtype="float64"), {}, "vLLM does not run float64", 2),
     ({}, {"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported", 3),
     ({}, {"enforce_eager": False}, "contradicts --mode eager", 2),
-    ({}, {"enable_prefix_caching": True}, "cannot be used for a capture", 2),
+    ({}, {"enable_prefix_caching": True}, "enable_prefix_caching=True needs --positions", 2),
+    ({}, {"enable_prefix_caching": "yes"}, "cannot be used for a capture", 2),
     (dict(level="op"), {}, "not available with --runner vllm", 2),
     (dict(compile_backend="inductor", mode="graph"), {}, "--compile-backend is for --runner hf",
      2),

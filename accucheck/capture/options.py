@@ -189,6 +189,13 @@ def check_runner(opts: CaptureOptions, runner: str, engine_kwargs: dict | None =
         raise UserError.usage(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts "
                               f"--mode {opts.mode}: drop enforce_eager, --mode sets it")
     for key, want in VLLM_FORCED_ENGINE.items():
+        if key == "enable_prefix_caching" and engine_kwargs.get(key) is True:
+            if opts.positions in ("decode", "last:1"):
+                continue  # no prompt logits asked: vLLM reads the cache (vllm.prefix_cached)
+            raise UserError.usage("enable_prefix_caching=True needs --positions last:1 or "
+                                  "decode: vLLM skips the prefix cache for a request that asks "
+                                  "for prompt logits (SamplingParams.skip_reading_prefix_"
+                                  "cache), which recording more prompt positions needs")
         if key in engine_kwargs and engine_kwargs[key] != want:
             raise UserError.usage(f"engine option {key}={engine_kwargs[key]!r} cannot be used "
                                   f"for a capture (it needs {key}={want!r}): drop it")

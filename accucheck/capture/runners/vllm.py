@@ -129,7 +129,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         from vllm import LLM, SamplingParams
 
         def params_for(follow):
-            return _sampling_params(SamplingParams, plugin, len(prompt_ids), n_new, follow)
+            return _sampling_params(SamplingParams, plugin, len(prompt_ids), n_new, follow,
+                                    prompt_logits(opts))
 
         check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
@@ -171,6 +172,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                 writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()},
                                    prefill_chunks=_prefill_chunks(got),
+                                   prefix_cached=_prefix_cached(got),
                                    **({} if check is None else
                                       {"observer_effect": check.meta()}))
                 _report(merged, cov)
@@ -182,13 +184,22 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     return Path(out)
 
 
-def _sampling_params(SamplingParams, plugin, n: int, n_new: int, follow) -> list:
-    """Greedy, EOS ignored, n_new + 1 tokens with full-vocabulary raw logprobs (prompt ones too)
-    for each of the n requests; the plugin learns each one's index and the tokens it must
-    follow (`follow[r][1]`, the forced tokens) through extra_args."""
+def prompt_logits(opts: CaptureOptions) -> bool:
+    """Whether the capture needs the logits of the prompt positions before the last: not with
+    --positions decode or last:1 (the last position's are the first sample's). vLLM returns
+    prompt logits as Python lists of every position's full vocabulary (docs/scale.md): asked
+    only where they are recorded."""
+    return parse_positions(opts.positions) not in (0, 1)
+
+
+def _sampling_params(SamplingParams, plugin, n: int, n_new: int, follow,
+                     prompt: bool = True) -> list:
+    """Greedy, EOS ignored, n_new + 1 tokens with full-vocabulary raw logprobs (prompt ones too,
+    when `prompt`) for each of the n requests; the plugin learns each one's index and the
+    tokens it must follow (`follow[r][1]`, the forced tokens) through extra_args."""
     return [SamplingParams(
         temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
-        prompt_logprobs=-1, detokenize=False, flat_logprobs=True,
+        prompt_logprobs=-1 if prompt else None, detokenize=False, flat_logprobs=True,
         extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
                     follow[r][1] if follow is not None else None})
         for r in range(n)]
@@ -340,7 +351,9 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
               max_model_len=longest + opts.max_new_tokens + 1,
               max_num_batched_tokens=max(256, longest))
     kw.update(user)
+    cached = user.get("enable_prefix_caching") is True  # check_runner allowed it
     kw.update(VLLM_FORCED_ENGINE)
+    kw["enable_prefix_caching"] = cached
     kw["enforce_eager"] = opts.mode == "eager"
     if kw.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
         raise UserError(f"worker_extension_cls={kw['worker_extension_cls']!r} cannot be used for "
@@ -434,6 +447,13 @@ def _gather(results: list, tp: int, kind: str = "") -> dict[int, dict]:
         by_rank.setdefault(rank, {"attached": False, "rank": rank, "records": [],
                                   "errors": [], "schedule": []})
     return by_rank
+
+
+def _prefix_cached(got: dict[int, dict]) -> dict[str, int]:
+    """Meta "prefix_cached": request -> prompt tokens the prefix cache served (its prefill's
+    records cover the positions computed after them; enable_prefix_caching with --positions
+    last:1 or decode), as the first rank saw it."""
+    return dict(got[min(got)].get("prefix_cached") or {}) if got else {}
 
 
 def _prefill_chunks(got: dict[int, dict]) -> dict[str, int]:
@@ -606,7 +626,8 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
 
     tokens = []
     for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
-        for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab)):
+        with_prompt = params[r].prompt_logprobs is not None
+        for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab, with_prompt)):
             check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
     check.seconds = time.monotonic() - t0
@@ -643,7 +664,7 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
         if forced is not None and tokens[:n_new] != list(forced[r][1]):
             raise RuntimeError(f"request {r}: teacher forcing did not hold "
                                f"({tokens[:n_new]} vs {forced[r][1]})")
-        logits = _step_logits(o, len(ids), n_new, vocab)
+        logits = _step_logits(o, len(ids), n_new, vocab, prompt_logits(opts))
         if check is not None:  # graph mode: record the untapped engine's logits
             logits = [check.compare(r, step, torch.from_numpy(lg)).numpy()
                       for step, lg in enumerate(logits)]
@@ -669,11 +690,19 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
                     first_step=1 if opts.positions == "decode" else 0)
 
 
-def _step_logits(output, n_prompt: int, n_new: int, vocab: int) -> list[np.ndarray]:
+def _step_logits(output, n_prompt: int, n_new: int, vocab: int,
+                 with_prompt: bool = True) -> list[np.ndarray]:
     """Raw full-vocab logits per step: step 0 = [1, n_prompt, vocab] (positions 0..n-2 from the
-    prompt logprobs, the last position from the first sample), step k = [1, 1, vocab]."""
-    prompt = dense_logits(output.prompt_logprobs, vocab)   # position 0 has none
+    prompt logprobs, the last position from the first sample; without prompt logprobs
+    (`prompt_logits`): [1, 1, vocab], the last position only), step k = [1, 1, vocab]."""
     sample = dense_logits(output.outputs[0].logprobs, vocab)
+    if not with_prompt:
+        if sample.shape[0] != n_new + 1:
+            raise RuntimeError(f"vLLM logprobs cover {sample.shape[0]} sampled positions, "
+                               f"expected {n_new + 1}")
+        check_raw_logits(sample, "sampled")
+        return [sample[k:k + 1][None] for k in range(n_new + 1)]
+    prompt = dense_logits(output.prompt_logprobs, vocab)   # position 0 has none
     if prompt.shape[0] != n_prompt or sample.shape[0] != n_new + 1:
         raise RuntimeError(f"vLLM logprobs cover {prompt.shape[0]} prompt and {sample.shape[0]} "
                            f"sampled positions, expected {n_prompt} and {n_new + 1}")

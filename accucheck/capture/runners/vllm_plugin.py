@@ -283,6 +283,7 @@ class Collector:
         self.errors: list[str] = []
         self.schedule: list[list[list[int]]] = []
         self._seen: dict[str, int] = {}   # vLLM request id -> tokens processed so far
+        self.prefix_cached: dict[int, int] = {}  # request -> prompt tokens read from the cache
         self._order: dict[tuple[int, int], int] = {}
         self._chunks: dict[int, list] = {}  # request -> its prefill's chunks so far
         self.prefill_chunks: dict[int, int] = {}  # request -> chunks, where it had several
@@ -461,10 +462,18 @@ class Collector:
             raise RuntimeError(f"scheduled tokens {sum(counts)} != total {total}")
         plan = []  # (req index, step, start, count, the prefill goes on in a later forward)
         start = 0
+        # a new request's prompt tokens already computed: the prefix cache's hits (with
+        # enable_prefix_caching; the forward computes the rest, its records cover only those)
+        hits = {n.req_id: int(n.num_computed_tokens)
+                for n in getattr(scheduler_output, "scheduled_new_reqs", None) or ()}
         for rid, cnt in zip(req_ids, counts):
             state = self.runner.requests[rid]
             extra = getattr(state.sampling_params, "extra_args", None) or {}
             req = extra.get(REQ_ARG)
+            if rid not in self._seen and hits.get(rid):
+                self._seen[rid] = hits[rid]
+                if req is not None:
+                    self.prefix_cached[int(req)] = hits[rid]
             before = self._seen.get(rid, 0)
             self._seen[rid] = before + cnt
             plen = 0 if state.prompt_token_ids is None else len(state.prompt_token_ids)
@@ -547,6 +556,7 @@ class Collector:
                "errors": self.errors,
                "schedule": self.schedule, "skipped": self.skipped,
                "prefill_chunks": {str(r): n for r, n in self.prefill_chunks.items()},
+               "prefix_cached": {str(r): n for r, n in self.prefix_cached.items()},
                "model_class": type(self.model).__name__, "kinds": self.kinds,
                "routers": [gate for _experts, gate in self.routers],
                "facts": worker_facts(self.runner),
