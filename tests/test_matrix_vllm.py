@@ -131,3 +131,17 @@ def test_a_chunked_prefill_difference_is_localised(tmp_path):
     assert loc["error"] is None and loc["culprit"] == FAULT_MODULE, loc
     assert min(d["max_dlogprob"] for d in row["requests"] if d["request"] in row["moved"]) \
         > ROUNDING
+
+
+def test_a_warm_prefix_cache_difference_is_localised(tmp_path):
+    """issue 36: the prefix cache is captured as it serves (--positions last:1), so the matrix
+    localises its warm pass. Before, the row said "a module capture needs the prefix cache
+    off". A fault that rounds one module through bfloat16 in a step that starts a prompt it does
+    not compute whole (a prompt served in part from the cache) is named."""
+    env = {"ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 0, "chunk_bf16": FAULT_MODULE})}
+    proc, doc = matrix(tmp_path, "--knob", "enable_prefix_caching=true,warm", env=env)
+    rows = {r["label"]: r for r in doc["rows"]}
+    warm = next(r for label, r in rows.items() if "warm" in label)
+    assert warm["moved"] and 0 in warm["moved"], warm   # the 65-token prompt: 2 cached blocks
+    loc = warm["localisation"]
+    assert loc["error"] is None and loc["culprit"] == FAULT_MODULE, loc

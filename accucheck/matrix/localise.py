@@ -5,8 +5,11 @@ vLLM: `capture_vllm` twice, each in a process of its own (matrix.vllm_worker: th
 settings, then the run's with its environment, forced to the baseline capture's tokens). Batch composition: both captures hold the request and its fillers; the
 baseline's engine runs them one at a time (max_num_seqs=1), the run's together. A chunked
 prefill is captured with each record joined from its chunks (capture.runners.vllm_plugin).
-Prefix caching and async scheduling cannot be captured (a capture matches records to requests
-step by step and needs every prompt token computed): the row says so. HF: `capture_rows`
+The prefix cache is captured as it serves (capture.runners.vllm: --positions last:1, the
+worker counting a request's tokens from the cache's hits): the baseline and the run both
+capture the request twice, one at a time, the run's engine with the cache, so the run's second
+pass is the warm one (its first the cold one). Async scheduling cannot be captured (a capture
+matches records to requests step by step): the row says so. HF: `capture_rows`
 (capture.runners.batched) for the batch size, the attention kernel and the dtype; `capture_dir`
 in eager against graph
 mode for `mode`.
@@ -27,8 +30,7 @@ from accucheck.report.diff import first_difference_line, verdict_line
 from accucheck.verdict.locate import analyze
 
 Progress = Callable[[str], None]
-_NOT_CAPTURED = {"enable_prefix_caching": "a module capture needs the prefix cache off",
-                 "async_scheduling": "a module capture needs synchronous scheduling"}
+_NOT_CAPTURED = {"async_scheduling": "a module capture needs synchronous scheduling"}
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ def localise(runner: str, model_dir: Path, prompt_ids: list[list[int]], spec: Ru
              engine_args: dict, pad_id: int, plant: Callable | None, progress: Progress
              ) -> Localisation:
     settings, env, batch, cache_pass = split(spec, dtype)
-    blocked = next((why for name, why in _NOT_CAPTURED.items() if name in settings
-                    and (name != "enable_prefix_caching" or cache_pass)), None)
+    blocked = next((why for name, why in _NOT_CAPTURED.items() if name in settings), None)
+    if cache_pass and batch > 1:
+        blocked = "the prefix cache's passes are localised at batch size 1"
     if blocked:
         return Localisation(request, None, None, None, None, None, None, None,
                             f"{blocked} ({spec.label})")
@@ -74,6 +77,10 @@ def localise(runner: str, model_dir: Path, prompt_ids: list[list[int]], spec: Ru
     rows = [prompt_ids[request]] + fillers(prompt_ids, request, batch - 1)
     opts = CaptureOptions(device=device, dtype=dtype, store="full", max_new_tokens=n_new,
                           seed=seed, force=True)
+    if cache_pass:  # a capture with the cache records the last prompt position only
+        opts = replace(opts, positions="last:1")
+    if cache_pass == "warm":  # the request twice: the run's second pass is served from its cache
+        rows = [prompt_ids[request]] * 2
     progress(f"matrix: localising {spec.label} on request {request}: module captures -> {where}")
     try:
         if runner == "vllm":
@@ -118,8 +125,10 @@ def _vllm_pair(model_dir, rows, base, run, opts, settings, env, batch, engine_ar
     environment; a capture's UserError is raised here."""
     dtype = settings.pop("dtype", opts.dtype)
     mode = "eager" if settings.pop("enforce_eager", True) else "graph"
-    settings.pop("enable_prefix_caching", None)
-    one_by_one = {"max_num_seqs": 1} if batch > 1 else {}
+    cached = settings.get("enable_prefix_caching") is True
+    one_by_one = {"max_num_seqs": 1} if batch > 1 or cached else {}
+    if cached:
+        settings["max_num_seqs"] = 1
     for out, o, engine, extra in (
             (base, opts, {**engine_args, **one_by_one}, {}),
             (run, replace(opts, dtype=dtype, mode=mode, tokens_from=str(base),
