@@ -176,3 +176,18 @@ def test_a_signoff_of_the_last_positions_names_the_planted_fault(tmp_path):
     with open_capture(tmp_path / "report" / doc["runs"]["golden"]["capture"]) as g:
         assert Selection.of(g.meta) == Selection("last:3", (1,))
         assert {r.key.req for r in g.rows} == {1}
+
+
+def test_op_records_of_other_positions_are_left_out_not_called_fused(tiny, tmp_path, capsys):
+    """Ops pair by their output shapes (compare.opmatch): a prefill's ops of other positions
+    would all look "fused or absent". They are left out with a note; their modules compare."""
+    _capture(tiny, tmp_path / "ops.h5", store="full", level="op")
+    _capture(tiny, tmp_path / "ops2.h5", store="full", level="op", positions="last:2")
+    code, out, _ = run(["diff", tmp_path / "ops.h5", tmp_path / "ops2.h5", "--format", "json"],
+                       capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "pass"
+    assert any("op records of the prefill are not compared" in n for n in doc["notes"])
+    assert not any("op calls on one side only" in n for n in doc["notes"])
+    assert any(r["key"].startswith("r0.s1:") and "/aten." in r["key"]
+               for r in doc["records"])

@@ -388,7 +388,13 @@ class _Differ:
         self.notes += rank_notes(self.R, self.C)
         ops, gops = None, {}
         if any(r.key.op is not None for r in self.R.rows):
-            op_pairs, ops = align_captures(self.R, self.C, self._wanted)
+            wanted = self._wanted
+            if self.other_positions:  # ops pair by their shapes: a prefill's differ in length
+                wanted = lambda k: k.step != 0 and self._wanted(k)  # noqa: E731
+                self.notes.append("op records of the prefill are not compared: the captures "
+                                  "record other prefill positions (capture --positions); their "
+                                  "module records are")
+            op_pairs, ops = align_captures(self.R, self.C, wanted)
             pairs = sorted(pairs + op_pairs, key=lambda p: p[0].order)
             if self.G is not None:
                 gops = {str(a.key): g for a, g in align_captures(self.R, self.G,
