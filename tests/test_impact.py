@@ -11,6 +11,7 @@ from accucheck.capture.runners.hf import capture_model
 from accucheck.cli import main
 from accucheck.errors import UserError
 from accucheck.impact.api import ImpactOptions, impact_model
+from accucheck.impact.result import render
 from accucheck.impact.gap import Gap, GapSum, log_softmax, recovered
 from accucheck.impact.patch import StepState, patched
 from accucheck.impact.result import render
@@ -324,6 +325,42 @@ def test_a_router_fault_is_recovered_at_the_router(tmp_path):
     assert rec(res, router) > 0.95 and rec(res, router, "kl") > 0.95
     assert rec(res, "model.layers.0.mlp.gate") == 0.0 and rec(res, BLOCKS[0]) == 0.0
     assert rec(res, "model.layers.2.mlp.gate") < 0.8
+    # the routing choice apart: REF's expert ids alone, the weights the candidate's own at
+    # them (RoutingReplay): part of the gap, not all (the noisy logits weight them otherwise),
+    # nothing upstream
+    ids = {s.site: s.recovered["logprob"] for s in res.routing}
+    assert [s.mode for s in res.routing] == ["ids"] * 3
+    assert set(ids) == {"model.layers.0.mlp.gate", router, "model.layers.2.mlp.gate"}
+    assert ids["model.layers.0.mlp.gate"] == 0.0
+    assert 0.01 < ids[router] < 0.95, ids  # measured: 0.07 (1 prompt, 2 steps)
+    assert res.to_json()["routing"][1]["site"] == router
+    assert "  ids  " in render(res) or " ids " in render(res)
+
+
+def test_a_routing_weight_fault_is_not_the_routing_choice(tmp_path):
+    """A fault in the router's weights only (its routing weights scaled x0.7 after it picks:
+    every token keeps its experts): the whole router output recovers the gap, REF's ids alone
+    recover nothing (they are the candidate's own)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from accucheck.capture.tiny import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    ref = capture_model(model, PROMPTS[:1], tmp_path / "ref.h5", tokenizer=tok, store="full",
+                        max_new_tokens=2)
+    router = "model.layers.1.mlp.gate"
+    gate = dict(model.named_modules())[router]
+    h = gate.register_forward_hook(lambda _m, _a, out: (out[0], out[1] * 0.7, *out[2:]))
+    try:
+        res = impact_model(ref, model, ImpactOptions(include=(router,)))
+    finally:
+        h.remove()
+    assert res.baseline.kl > 1e-6
+    assert rec(res, router) > 0.95
+    [ids] = res.routing
+    assert abs(ids.recovered["logprob"]) < 1e-6, ids.recovered
 
 
 def test_the_eval_view_names_the_prompts_whose_answer_differs_and_the_sites_restoring_them(

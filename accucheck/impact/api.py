@@ -137,7 +137,9 @@ class _Runs:
         self.count, self.seconds = 0, 0.0
         self.state = StepState()
 
-    def gap(self, patches: Sequence[tuple[Plan, dict]] = ()) -> Gap:
+    def gap(self, patches: Sequence[tuple[Plan, dict]] = (), replay=None) -> Gap:
+        """One teacher-forced run with `patches` (and `replay`, a RoutingReplay: REF's expert
+        ids in its routers) and its gap to REF."""
         from accucheck.capture.faults import planted
 
         t = time.perf_counter()
@@ -145,6 +147,11 @@ class _Runs:
             for module, fault in self.plant:
                 stack.enter_context(planted(self.model, module, fault))
             stack.enter_context(patched(self.model, patches, self.state))
+            if replay is not None:
+                stack.enter_context(replay.installed(self.model))
+                h = self.model.register_forward_pre_hook(
+                    lambda *_: replay.begin_step(self.state.req, self.state.step))
+                stack.callback(h.remove)
             g = forced_pass(self.model, self.requests, self.device, self.ref, self.state)
         self.count += 1
         self.seconds += time.perf_counter() - t
@@ -234,12 +241,43 @@ def _measure(run: _Runs, r: CaptureReader, c: CaptureReader | None, model: nn.Mo
                               None, None)
         result.update(sites=tuple(rows), together=together,
                       children=_bisect(run, src, c, model, rows, opts.bisect, requests,
-                                       against, share))
+                                       against, share),
+                      routing=_routing(run, src, c, model, usable, against, share))
     return ImpactResult(ref=str(r.path), control=str(c.path) if c is not None else None,
                         device=str(run.device), dtype=str(run.dtype).replace("torch.", ""),
                         runs=run.count, seconds=run.seconds, bisect=opts.bisect,
                         prompts=tuple(q.prompt or "" for q in r.requests),
                         noising=str(n.path) if n is not None else None, **result)
+
+
+def _routing(run: _Runs, r: CaptureReader, c: CaptureReader | None, model: nn.Module,
+             plans: Sequence[Plan], against: Gap, share=recovered) -> tuple[SiteImpact, ...]:
+    """Each patched MoE router (a site patched whole: logits, weights, ids) patched again with
+    REF's expert ids alone, its routing weights the candidate's own at those experts
+    (RoutingReplay, as capture --routing-from): how much of the gap the routing choice explains
+    (the control's ids for the band)."""
+    from accucheck.capture.record.moe import RoutingReplay, find_routers
+
+    routers = {x.gate: x for x in find_routers(model)}
+    out = []
+    for p in plans:
+        router = routers.get(p.site)
+        if router is None or p.mode != "output":
+            continue
+        gaps = []
+        for cap in (r, c):
+            if cap is None:
+                gaps.append(None)
+                continue
+            run.say(f"impact: routing {p.site} as {cap.path} routes, run {run.count + 1}")
+            replay = RoutingReplay(str(cap.path), [router])
+            try:
+                gaps.append(run.gap((), replay))
+            finally:
+                replay.close()
+        out.append(SiteImpact(p.site, "site", "ids", gaps[0], share(against, gaps[0]),
+                              share(against, gaps[1]) if gaps[1] is not None else None, None))
+    return tuple(out)
 
 
 def _bisect(run: _Runs, r, c, model: nn.Module, rows: Sequence[SiteImpact], k: int,

@@ -23,7 +23,8 @@ class SiteImpact:
     why the control could not patch this site."""
     site: str
     level: str  # "site" (selected), "child" (--bisect) or "all" (every site at once)
-    mode: str  # "update" (a layer block's residual update), "output", "-" for all
+    mode: str  # "update" (a layer block's residual update), "output", "ids" (a router's
+    #            expert ids only: `routing`), "-" for all
     gap: Gap
     recovered: dict
     band: dict | None
@@ -62,6 +63,10 @@ class ImpactResult:
     prompts: tuple[str, ...] = ()  # REF's prompts, in request order ("" where not stored)
     noising: str | None = None     # the candidate's capture whose tensors were patched in
     total: Gap | None = None       # noising: the candidate's own gap (its logits against REF's)
+    # MoE: each patched router again with REF's expert ids only, its weights the candidate's
+    # own at those experts (capture.record.moe.RoutingReplay): how much the routing choice
+    # explains, against its whole output (ids, weights, logits) in `sites`
+    routing: tuple[SiteImpact, ...] = ()
 
     @property
     def method(self) -> str:
@@ -136,6 +141,7 @@ class ImpactResult:
                 "all_sites": self.together.as_dict(self.share_key) if self.together else None,
                 "bisect": {"k": self.bisect,
                            "children": [s.as_dict(self.share_key) for s in self.children]},
+                "routing": [s.as_dict(self.share_key) for s in self.routing],
                 "not_patchable": [{"site": s, "why": w} for s, w in self.skipped],
                 "runs": {"count": self.runs, "seconds": round(self.seconds, 3)},
                 "prompts": list(self.prompts), "answers": self.answers(),
@@ -178,7 +184,8 @@ def render(res: ImpactResult) -> str:
         g = res.control_gap
         lines.append(f"control's own gap: mean |Δ logprob| {number(g.logprob)}, mean KL "
                      f"{number(g.kl)}, {g.flips} flip(s)")
-    rows = list(res.sites) + ([res.together] if res.together else []) + list(res.children)
+    rows = list(res.sites) + list(res.routing) + ([res.together] if res.together else []) \
+        + list(res.children)
     if rows:
         x = "intro" if res.noising else "rec"
         heads = ["site", "patch", f"Δlogprob {x}", f"KL {x}", f"flips {x}", "band (lp / KL / fl)"]
