@@ -190,7 +190,7 @@ def check_runner(opts: CaptureOptions, runner: str, engine_kwargs: dict | None =
                               f"--mode {opts.mode}: drop enforce_eager, --mode sets it")
     for key, want in VLLM_FORCED_ENGINE.items():
         if key == "enable_prefix_caching" and engine_kwargs.get(key) is True:
-            if opts.positions in ("decode", "last:1"):
+            if parse_positions(opts.positions) in (0, 1):
                 continue  # no prompt logits asked: vLLM reads the cache (vllm.prefix_cached)
             raise UserError.usage("enable_prefix_caching=True needs --positions last:1 or "
                                   "decode: vLLM skips the prefix cache for a request that asks "

@@ -6,9 +6,9 @@ settings, then the run's with its environment, forced to the baseline capture's 
 baseline's engine runs them one at a time (max_num_seqs=1), the run's together. A chunked
 prefill is captured with each record joined from its chunks (capture.runners.vllm_plugin).
 The prefix cache is captured as it serves (capture.runners.vllm: --positions last:1, the
-worker counting a request's tokens from the cache's hits): the baseline and the run both
-capture the request twice, one at a time, the run's engine with the cache, so the run's second
-pass is the warm one (its first the cold one). Async scheduling cannot be captured (a capture
+worker counting a request's tokens from the cache's hits), the run's engine with the cache;
+for the warm pass both captures hold the request twice, run one at a time, so the run's second
+is served from its cache (its first is the cold one). Async scheduling cannot be captured (a capture
 matches records to requests step by step): the row says so. HF: `capture_rows`
 (capture.runners.batched) for the batch size, the attention kernel and the dtype; `capture_dir`
 in eager against graph

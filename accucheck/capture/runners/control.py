@@ -7,8 +7,9 @@ CPU; or the GPU itself at another batch size or thread count), forced to the ref
 tokens (accucheck.compare.control). So it takes from REF: the prompts (as token ids: the same
 tokenization whatever the tokenizer here), the generated tokens (teacher forcing), the store
 mode, the module selection (--include / --exclude / --layers), what is recorded of the run
-(--positions, --requests), --inputs, --level and the number of decode steps; and from the command line: the device (default cpu), the dtype (default: the
-reference's, the bf16-vs-bf16 case; give --dtype bfloat16 for a float32 reference), the seed
+(--positions, --requests), --inputs, --level and the number of decode steps; and from the
+command line: the device (default cpu), the dtype (default: the reference's, the bf16-vs-bf16
+case; give --dtype bfloat16 for a float32 reference), the seed
 and --deterministic. It always runs eager (the trusted path).
 
 It is dithered by default (CaptureOptions.dither = the seed: every rounding op's output moved
