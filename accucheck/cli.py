@@ -527,12 +527,15 @@ def _plants(pairs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
               help="the reverse: MODEL runs as the reference device and each site gets CAND's "
                    "tensor (a full capture forced to REF's tokens): the share of CAND's gap it "
                    "brings in")
+@click.option("--answers", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help="the eval's reference answers (JSONL: \"prompt\", \"answer\"): the prompts "
+                   "that differ split into score drops (REF right) and the rest")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
               help="write the result as JSON (refused if it exists unless --force)")
 @click.option("--force", is_flag=True, help="overwrite -o")
 @click.option("--trust-remote-code", is_flag=True, help="run the model directory's own code")
-def impact(ref, model, device, dtype, include, control, bisect, plants, noising, out, force,
-           trust_remote_code):
+def impact(ref, model, device, dtype, include, control, bisect, plants, noising, answers, out,
+           force, trust_remote_code):
     """Which difference matters: run MODEL (a directory, or @tiny) teacher-forced to REF's
     tokens (REF: a --store full capture) with each site's output swapped for REF's recorded
     tensor, and print the share of the logit gap each site recovers (docs/impact.md)."""
@@ -543,7 +546,8 @@ def impact(ref, model, device, dtype, include, control, bisect, plants, noising,
         raise UserError.usage("--plant goes into the candidate run; with --noising MODEL runs "
                               "as the reference device: plant the fault when capturing CAND")
     opts = ImpactOptions(device=device, dtype=dtype, include=tuple(include), control=control,
-                         bisect=bisect, plant=_plants(plants), noising=noising)
+                         bisect=bisect, plant=_plants(plants), noising=noising,
+                         answers=answers)
     res = impact_dir(ref, _model_dir(model), opts, out=out, force=force,
                      trust_remote_code=trust_remote_code, progress=err)
     click.echo(render(res), nl=False)

@@ -130,11 +130,45 @@ def test_the_control_band(tiny, ref, tmp_path):
     assert res.sites[FAULT_LAYER].band["logprob"] > 0.8
     assert res.control_gap is not None and res.runs == 1 + 2 * 4 + 1
     assert "band" in render(res)
+    assert not res.within_noise and res.top() is not None
     other = tmp_path / "other.h5"
     capture_model(model, ["another prompt"], other, tokenizer=tok, store="full",
                   max_new_tokens=4)
     with pytest.raises(UserError, match="other prompts or tokens"):
         impact_model(ref, model, ImpactOptions(control=str(other)))
+
+
+def test_a_gap_within_the_controls_own_names_no_site(tiny, ref, tmp_path):
+    """The candidate's output gap no larger than a correct device's (the control's, on every
+    metric): rounding alone, so no site is named, though every share is still measured. The
+    candidate: relative noise 1e-6 on one block's output; the control: 1e-4 on every block."""
+    from contextlib import ExitStack
+
+    from accucheck.capture.faults import planted
+    from accucheck.impact.join import impact_line
+
+    model, tok = tiny
+    ctl = tmp_path / "ctl.h5"
+    with ExitStack() as stack:
+        for i, block in enumerate(BLOCKS):
+            stack.enter_context(planted(model, block, "noise:1e-4", seed=i))
+        capture_model(model, PROMPTS, ctl, tokenizer=tok, store="full", max_new_tokens=4,
+                      tokens_from=str(ref))
+    quiet = (BLOCKS[2], "noise:1e-6")
+    res = impact_model(ref, model, ImpactOptions(plant=(quiet,), control=str(ctl)))
+    assert not res.no_gap and res.within_noise
+    assert len(res.sites) == 4 and res.leaders() == [] and res.top() is None
+    assert "within the control's own" in res.headline() and "no site to blame" in render(res)
+    data = res.to_json()
+    assert data["within_noise"] is True and data["leaders"] == []
+    line = impact_line(data, BLOCKS[2], "i.json")
+    assert line.startswith(f"impact: {BLOCKS[2]} does not move the output beyond the noise: "
+                           "the candidate's output gap") and "recovers" not in line
+    assert impact_line(data, None, "i.json").startswith("impact: the candidate's output gap")
+    # the same candidate, louder than the control: its block is named
+    loud = impact_model(ref, model, ImpactOptions(plant=((BLOCKS[2], "noise:1e-2"),),
+                                                  control=str(ctl)))
+    assert not loud.within_noise and loud.top().site == BLOCKS[2]
 
 
 def test_hooks_are_removed_when_the_forward_raises(tiny):
@@ -383,6 +417,65 @@ def test_the_eval_view_names_the_prompts_whose_answer_differs_and_the_sites_rest
     text = render(res)
     assert "answers: 1 of 5 prompt(s) answer otherwise than REF: #0 'The quick brown fox" in text
     assert any(ln.split()[:3] == [BLOCKS[FAULT_LAYER], "1", "/"] for ln in text.splitlines())
+
+
+def test_reference_answers_split_the_prompts_that_differ_into_score_drops(tiny, tmp_path):
+    """--answers FILE.jsonl: REF's greedy answers judged against an eval's reference answers;
+    a prompt that differs where REF answers right is a score drop, listed first per site."""
+    from accucheck.store import open_capture
+
+    model, tok = tiny
+    prompts = PROMPTS + ["One two three four", "Numerical accuracy of", "Hello there"]
+    ref5 = capture_model(model, prompts, tmp_path / "ref.h5", tokenizer=tok, store="full",
+                         max_new_tokens=4)
+    with open_capture(ref5) as r:
+        said = [tok.decode(q.generated_ids, skip_special_tokens=True) for q in r.requests]
+    lines = [{"prompt": prompts[0], "answer": "  " + said[0][:6] + " "},  # REF right (a prefix)
+             {"prompt": prompts[1], "answer": ["no such answer", said[1]]},  # right (the 2nd)
+             {"prompt": prompts[2], "answer": said[2]},
+             {"prompt": prompts[3], "answer": "certainly not " + said[3]},  # REF wrong
+             {"prompt": "a prompt REF never saw", "answer": "x"}]  # prompts[4]: none
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = impact_model(ref5, model, ImpactOptions(plant=(FAULT,), answers=str(answers)),
+                       tokenizer=tok)
+    a = res.answers()
+    assert a["differ"] == [0] and a["ref_right"] == [0, 1, 2] and a["ref_wrong"] == [3]
+    assert a["drops"] == [0] and a["by_site"][0]["drops_restored"] == [0]
+    assert a["by_site"][0]["site"] == BLOCKS[FAULT_LAYER]
+    assert res.to_json()["answers"]["drops"] == [0]
+    text = render(res)
+    assert ("reference answers (answers.jsonl): REF answers 3 of 4 right; 1 prompt(s) that "
+            "differ lost a right answer (a score drop): #0") in text, text
+    assert "score drops restored" in text
+    # REF wrong where the candidate differs: no score drop
+    lines[0]["answer"] = "certainly not " + said[0]
+    answers.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = impact_model(ref5, model, ImpactOptions(plant=(FAULT,), answers=str(answers)),
+                       tokenizer=tok)
+    assert res.answers()["drops"] == [] and "no prompt that differs loses a right answer" \
+        in render(res)
+    with pytest.raises(UserError, match="needs the model's tokenizer"):
+        impact_model(ref5, model, ImpactOptions(answers=str(answers)))
+
+
+def test_bad_answers_files_are_one_line_errors(tiny_dir, ref, tmp_path, capsys):
+    out = tmp_path / "i.json"
+    cases = {"missing.jsonl": None, "notjson.jsonl": "{nope\n",
+             "noanswer.jsonl": json.dumps({"prompt": PROMPTS[0]}) + "\n",
+             "empty.jsonl": "\n", "other.jsonl": json.dumps({"prompt": "?", "answer": "a"}) + "\n"}
+    for name, body in cases.items():
+        f = tmp_path / name
+        if body is not None:
+            f.write_text(body)
+        with pytest.raises(SystemExit) as e:
+            main(["impact", str(ref), str(tiny_dir), "--answers", str(f), "-o", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 3 and "--answers" in err and "Traceback" not in err, (name, err)
+        assert not out.exists()
+    with pytest.raises(SystemExit) as e:
+        main(["impact", str(ref), str(tiny_dir), "--answers", str(ref), "-o", str(ref)])
+    assert e.value.code == 2 and "is also" in capsys.readouterr().err
 
 
 def test_an_answer_differs_only_where_a_generating_position_flips():

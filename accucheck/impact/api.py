@@ -9,7 +9,7 @@ import contextlib
 import copy
 import fnmatch
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -18,6 +18,7 @@ from torch import nn
 from accucheck.capture import device as dev
 from accucheck.capture.models import check_model_dir, config_hash, load_model_dir, parse_dtype
 from accucheck.errors import UserError
+from accucheck.impact.answers import judge, read_answers
 from accucheck.impact.gap import Gap, introduced, recovered
 from accucheck.impact.patch import (EMBED_NAMES, OutputIndex, Plan, StepState, forced_pass,
                                     load_plan, logits_gap, logits_keys, patched, plan_site,
@@ -36,7 +37,9 @@ class ImpactOptions:
     the children of the K blocks that recover most. plant: (module, fault) pairs planted in
     the candidate (accucheck.capture.faults; demos and tests). noising: a full capture of the
     candidate, forced to REF's tokens: MODEL then runs as the reference device and each site
-    gets the candidate's tensor instead (the share of the candidate's gap it brings in)."""
+    gets the candidate's tensor instead (the share of the candidate's gap it brings in).
+    answers: an eval's reference answers (JSONL, impact.answers): the prompts that differ are
+    split into those REF answers right (a score drop) and the rest; needs the tokenizer."""
     device: str = "cpu"
     dtype: str | None = None
     include: tuple[str, ...] = ()
@@ -44,6 +47,7 @@ class ImpactOptions:
     bisect: int = 0
     plant: tuple[tuple[str, str], ...] = ()
     noising: str | None = None
+    answers: str | None = None
 
     def __post_init__(self) -> None:
         if self.bisect < 0:
@@ -85,24 +89,31 @@ def impact_dir(ref: str | Path, model_dir: str | Path, opts: ImpactOptions, *,
     the model on `opts.device` in `opts.dtype` and measure (`impact_model`)."""
     if out is not None:
         check_not_input(out, {"REF": str(ref), "--control": opts.control,
-                              "--noising": opts.noising})
+                              "--noising": opts.noising, "--answers": opts.answers})
         check_output_file(out, force)
     check_capture(ref, "REF")
     for path, flag in ((opts.control, "--control"), (opts.noising, "--noising")):
         if path:
             check_capture(path, flag)
+    if opts.answers:
+        read_answers(opts.answers)
     check_model_dir(model_dir, trust_remote_code=trust_remote_code)
     dtype = parse_dtype(opts.dtype or "float32")
     tdev = dev.torch_device(dev.parse_device(opts.device))
-    model, _ = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
-    return impact_model(ref, model, opts, progress=progress)
+    model, tok = load_model_dir(model_dir, dtype, tdev, trust_remote_code=trust_remote_code)
+    return impact_model(ref, model, opts, progress=progress, tokenizer=tok)
 
 
 def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None = None, *,
-                 progress: Callable[[str], None] | None = None) -> ImpactResult:
+                 progress: Callable[[str], None] | None = None,
+                 tokenizer=None) -> ImpactResult:
     """Measure on `model` as it is (its device and dtype; not modified: hooks are removed
-    afterwards). Raises UserError for inputs that do not fit the model."""
+    afterwards). Raises UserError for inputs that do not fit the model. `tokenizer`: the
+    model's, to read REF's answers as text (`opts.answers` needs it)."""
     opts = opts or ImpactOptions()
+    table = read_answers(opts.answers) if opts.answers else None
+    if table is not None and tokenizer is None:
+        raise UserError("--answers needs the model's tokenizer to read REF's answers as text")
     say = progress or (lambda _msg: None)
     if model.training:  # dropout would move every run: an eval copy, the user's untouched
         model = copy.deepcopy(model).eval()
@@ -121,8 +132,14 @@ def impact_model(ref: str | Path, model: nn.Module, opts: ImpactOptions | None =
         if n is not None and requests_of(n) != requests:
             raise UserError(f"--noising {n.path}: it follows other prompts or tokens than "
                             f"REF; capture the candidate with --tokens-from {r.path}")
+        right = ()
+        if table is not None:
+            texts = [tokenizer.decode(list(q.generated), skip_special_tokens=True)
+                     for q in requests]
+            right = judge([q.prompt or "" for q in r.requests], texts, table, opts.answers)
         run = _Runs(model, requests, ref_logits(r, requests, "REF"), say, opts.plant)
-        return _measure(run, r, c, model, opts, requests, n)
+        res = _measure(run, r, c, model, opts, requests, n)
+        return replace(res, ref_right=right, answers_file=opts.answers) if right else res
 
 
 class _Runs:

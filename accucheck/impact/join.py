@@ -51,13 +51,17 @@ def site_for(data: dict, module: str) -> dict | None:
 def impact_line(data: dict, module: str | None, path: str | Path,
                 context: Sequence[str] = ()) -> str:
     """One line: what share of the logit gap the culprit `module` recovers, and when it
-    explains little, which site explains more. `context`: what else moves the output in this
+    explains little, which site explains more; when the whole gap is within the control's own
+    (`within_noise`), that the culprit does not move the output beyond the noise. `context`: what else moves the output in this
     diff (report.diff.flip_context: a near-tie token flip, a routing flip), said when the
     culprit explains little or there is none."""
     src = f"[{Path(path).name}]"
     more = "".join(f"; {c}" for c in context)
     if data.get("no_gap"):
         return f"impact: the candidate's logits match REF's: no output gap to explain {src}"
+    if data.get("within_noise"):
+        who = f"{module} does not move the output beyond the noise: " if module else ""
+        return f"impact: {who}{data.get('headline', '')}{more} {src}"
     if module is None:
         return f"impact: no culprit named; {data.get('headline', '')}{more} {src}"
     row = site_for(data, module)
@@ -101,7 +105,9 @@ def with_impact(text: str, fmt: str, data: dict, culprit, path: str | Path,
         doc = json.loads(text)
         row = site_for(data, module) if module else None
         doc["impact"] = {"file": str(path), "line": line, "site": row,
-                         "no_gap": bool(data.get("no_gap")), "headline": data.get("headline")}
+                         "no_gap": bool(data.get("no_gap")),
+                         "within_noise": bool(data.get("within_noise")),
+                         "headline": data.get("headline")}
         return json.dumps(doc, indent=2) + "\n"
     lines = text.rstrip("\n").split("\n")
     at = next((i for i, ln in enumerate(lines) if ln.startswith("CULPRIT:")), None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from accucheck.impact.gap import METRICS, Gap
 from accucheck.numbers import number, percent
@@ -67,6 +68,10 @@ class ImpactResult:
     # own at those experts (capture.record.moe.RoutingReplay): how much the routing choice
     # explains, against its whole output (ids, weights, logits) in `sites`
     routing: tuple[SiteImpact, ...] = ()
+    # --answers FILE (impact.answers): per request whether REF's answer is right (None: the
+    # file has no answer for its prompt); () without the file
+    ref_right: tuple[bool | None, ...] = ()
+    answers_file: str | None = None
 
     @property
     def method(self) -> str:
@@ -90,8 +95,18 @@ class ImpactResult:
                 rows.append({"site": s.site, "level": s.level,
                              "restored": sorted(differ - got), "broken": sorted(got - differ)})
         first, second = ("reproduced", "new") if self.noising else ("restored", "broken")
-        rows.sort(key=lambda x: (-len(x[first]), len(x[second])))
-        return {"prompts": len(self.prompts), "differ": sorted(differ), "by_site": rows}
+        out = {"prompts": len(self.prompts), "differ": sorted(differ), "by_site": rows}
+        if self.ref_right:  # the score drops first: prompts REF answers right
+            right = {i for i, v in enumerate(self.ref_right) if v}
+            out.update(file=self.answers_file, ref_right=sorted(right),
+                       ref_wrong=[i for i, v in enumerate(self.ref_right) if v is False],
+                       drops=sorted(differ & right))
+            for r in rows:
+                r["drops_" + first] = sorted(set(r[first]) & right)
+            rows.sort(key=lambda x: (-len(x["drops_" + first]), -len(x[first]), len(x[second])))
+        else:
+            rows.sort(key=lambda x: (-len(x[first]), len(x[second])))
+        return out
 
     @property
     def no_gap(self) -> bool:
@@ -99,16 +114,29 @@ class ImpactResult:
         capture matches REF (noising)."""
         return (self.total or self.baseline).is_zero()
 
+    @property
+    def within_noise(self) -> bool:
+        """The gap to attribute is no larger than the control's own (a correct device's logits
+        against REF's) on every metric: rounding alone, as far as one control can tell. Every
+        site's share is still measured, but none is named (`leaders` is empty): a share of a
+        gap that is rounding only swings by tens of percent either way, and a difference
+        `diff` calls more than noise at its record may still not reach the output beyond a
+        correct device's (docs/impact.md)."""
+        c = self.control_gap
+        return (c is not None and not self.no_gap
+                and all((self.total or self.baseline).value(m) <= c.value(m) for m in METRICS))
+
     def top(self) -> SiteImpact | None:
-        """The site that recovers most (children included), None without a gap."""
+        """The site that recovers most (children included), None without a gap or within
+        the noise."""
         return self.leaders()[0] if self.leaders() else None
 
     def leaders(self, within: float = 0.01) -> list[SiteImpact]:
         """The sites whose share is within `within` of the best, finest first: a child of a
         block replaces the block (denoising cannot tell a module from its only consumer: a norm
-        and the MLP it feeds recover alike)."""
+        and the MLP it feeds recover alike). None within the noise (`within_noise`)."""
         rows = list(self.sites) + list(self.children)
-        if not rows:
+        if not rows or self.within_noise:
             return []
         best = max(s.score() for s in rows)
         tied = [s for s in rows if s.score() >= best - within]
@@ -121,6 +149,12 @@ class ImpactResult:
             return (f"no output gap: the candidate's logits match REF's (mean |Δ logprob| "
                     f"{number(self.baseline.logprob)}, KL {number(self.baseline.kl)}, 0 flips); "
                     f"nothing to recover")
+        if self.within_noise:
+            g, c = self.total or self.baseline, self.control_gap
+            return (f"the candidate's output gap (mean |Δ logprob| {number(g.logprob)}, KL "
+                    f"{number(g.kl)}, {g.flips} flip(s)) is within the control's own "
+                    f"(|Δ logprob| {number(c.logprob)}, KL {number(c.kl)}, {c.flips} flip(s)): "
+                    f"no larger than a correct device's, no site to blame")
         t = self.top()
         names = " and ".join(s.site for s in self.leaders())
         one = len(self.leaders()) == 1
@@ -135,6 +169,7 @@ class ImpactResult:
                 "device": self.device, "dtype": self.dtype, "method": self.method,
                 "noising": self.noising,
                 "baseline": self.baseline.as_dict(), "no_gap": self.no_gap,
+                "within_noise": self.within_noise,
                 "total": self.total.as_dict() if self.total else None,
                 "control_gap": self.control_gap.as_dict() if self.control_gap else None,
                 "sites": [s.as_dict(self.share_key) for s in self.sites],
@@ -216,15 +251,27 @@ def answer_lines(res: ImpactResult, top: int = 10) -> list[str]:
             if res.sites else []
     out = [f"answers: {len(a['differ'])} of {a['prompts']} prompt(s) answer otherwise than REF: "
            + ", ".join(_prompt(res, i) for i in a["differ"])]
+    if "drops" in a:
+        known = len(a["ref_right"]) + len(a["ref_wrong"])
+        drops = a["drops"]
+        out.append(f"reference answers ({Path(a['file']).name}): REF answers "
+                   f"{len(a['ref_right'])} of {known} right; "
+                   + (f"{len(drops)} prompt(s) that differ lost a right answer (a score "
+                      f"drop): " + " ".join(f"#{i}" for i in drops) if drops else
+                      "no prompt that differs loses a right answer"))
     first, second = ("reproduced", "new") if res.noising else ("restored", "broken")
     rows = [r for r in a["by_site"] if r[first]][:top]
     if rows:
         from tabulate import tabulate
 
+        drops = "drops" in a
         out.append(tabulate([[r["site"], f"{len(r[first])} / {len(a['differ'])}",
+                              *([f"{len(r['drops_' + first])} / {len(a['drops'])}"]
+                                if drops else []),
                               " ".join(f"#{i}" for i in r[first]),
                               " ".join(f"#{i}" for i in r[second]) or "-"] for r in rows],
-                            ["site", first, f"prompts {first}", f"prompts {second}"],
+                            ["site", first, *([f"score drops {first}"] if drops else []),
+                             f"prompts {first}", f"prompts {second}"],
                             disable_numparse=True))
     done = {i for r in a["by_site"] for i in r[first]}
     lost = [i for i in a["differ"] if i not in done]
