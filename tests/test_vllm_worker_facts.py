@@ -326,3 +326,20 @@ def test_a_full_disk_while_a_worker_writes_its_tensors_is_one_line(engine, tiny_
     with open_capture(out, allow_incomplete=True) as c:
         assert not c.complete
     assert [p.name for p in tmp_path.iterdir()] == ["x.h5"]   # no spill directory left
+
+
+def test_an_engine_option_the_platform_overrode_is_said_and_kept_in_meta(capsys):
+    """A capture's engine arguments the started engine does not run as asked: one note on
+    stderr each and meta "engine_not_in_effect" (vLLM's config is read in the front end)."""
+    from types import SimpleNamespace
+
+    from accucheck.capture.runners.vllm import _not_in_effect
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
+                          scheduler_config=SimpleNamespace(max_num_seqs=4))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg))
+    got = _not_in_effect(llm, {"block_size": 64, "max_num_seqs": 4, "gpu_memory_utilization": 0.3})
+    assert got == {"block_size": {"asked": 64, "runs": 16}}
+    err = capsys.readouterr().err
+    assert err == ("note: engine option block_size=64 is not in effect: this engine runs "
+                   "block_size=16 (the platform overrides it)\n")

@@ -154,6 +154,7 @@ def vllm_runs(model_dir: Path, prompt_ids: list[list[int]], runs: Sequence[RunSp
         job = {"kind": "runs", "engine": kw, "prompt_ids": prompt_ids, "n_new": n_new,
                "dtype": dtype, "seed": seed, "device": device,
                "specs": [[s.label, [list(f) for f in s.flips]] for s in specs],
+               "checked": settings,
                "baseline_tokens": baseline_tokens}
         doc, arrays = run_worker(job, run_env)
         if doc.get("start_s") is not None:

