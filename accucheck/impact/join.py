@@ -52,9 +52,9 @@ def impact_line(data: dict, module: str | None, path: str | Path,
                 context: Sequence[str] = ()) -> str:
     """One line: what share of the logit gap the culprit `module` recovers, and when it
     explains little, which site explains more; when the whole gap is within the control's own
-    (`within_noise`), that the culprit does not move the output beyond the noise. `context`: what else moves the output in this
-    diff (report.diff.flip_context: a near-tie token flip, a routing flip), said when the
-    culprit explains little or there is none."""
+    (`within_noise`), that the culprit does not move the output beyond the noise. `context`:
+    what else moves the output in this diff (report.diff.flip_context: a near-tie token flip,
+    a routing flip), said when the culprit explains little or there is none."""
     src = f"[{Path(path).name}]"
     more = "".join(f"; {c}" for c in context)
     if data.get("no_gap"):

@@ -78,7 +78,8 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     raw logits (max_logprobs=-1, logprobs_mode="raw_logits"), no prefix caching (but with
     --positions last:1 or decode, which ask for no prompt logits), no async scheduling. An
     engine argument the started engine does not run as asked (the platform overrode it) is
-    said on stderr and kept in meta "engine_not_in_effect". The workers write their tensors to disk as they go (capture.record.spill).
+    said on stderr and kept in meta "engine_not_in_effect". The workers write their tensors
+    to disk as they go (capture.record.spill).
     Tensor parallel: every rank records; replicated tensors are checked bit-identical across
     ranks and stored once, a differing copy is stored as `<slot>.rank<r>` and reported, shards
     are stored per rank with an annotation (accucheck.capture.record.ranks, meta "tensor_parallel").

@@ -2,8 +2,9 @@
 runs on, the determinism and the compile / graph state it actually has, the fusion passes its
 compilation may run (and what they matched), its sampler's logprobs mode, the model under a
 graph wrapper; and which engine arguments the started engine does not run as asked
-(`not_in_effect`, front-end side: the config is built there). Imports accucheck.capture.device and accucheck.errors; torch lazily (worker
-side); vLLM / vllm-ascend only through sys.modules (what the worker already loaded).
+(`not_in_effect`, front-end side: the config is built there). Imports accucheck.capture.device
+and accucheck.errors; torch lazily (worker side); vLLM / vllm-ascend only through sys.modules
+(what the worker already loaded).
 
 Why from the workers: the front end is not where the model runs. vLLM's workers are other
 processes (the engine core, one per tensor-parallel rank) with their own environment and torch
