@@ -222,6 +222,21 @@ def test_impact_needs_an_hf_candidate_and_a_full_reference():
         assert named in str(e.value), str(e.value)
 
 
+def test_impact_noising_needs_an_hf_reference_run_and_a_full_forced_candidate(tmp_path):
+    (tmp_path / "ref.h5").write_bytes(b"")
+    s = scenario_from_dict({"prompts": ["a"], "impact": {"noising": True}})
+    assert s.impact.noising is True
+    assert scenario_from_dict({"prompts": ["a"], "impact": {}}).impact.noising is False
+    for data, named in (({"reference": {"runner": "vllm"}}, 'reference run with runner = "hf"'),
+                        ({"reference": {"capture": str(tmp_path / "ref.h5")}},
+                         "reference run"),
+                        ({"candidate": {"store": "stats"}}, 'store = "full" and teacher_forcing'),
+                        ({"candidate": {"teacher_forcing": False}}, "teacher_forcing = true")):
+        with pytest.raises(UserError) as e:
+            scenario_from_dict({"prompts": ["a"], "impact": {"noising": True}, **data})
+        assert "impact.noising" in str(e.value) and named in str(e.value), str(e.value)
+
+
 def test_a_selection_flows_to_every_run_and_keeps_impact_out():
     """positions / requests / layers (capture --positions ...): the defaults' reach the
     reference and candidate; the control and the default golden take the reference's, so every

@@ -265,3 +265,27 @@ def test_impact_refuses_a_statistics_only_reference_before_writing(tiny, tmp_pat
         signoff(scn, ref=ref, cand=ref, out_dir=out)
     assert "[impact]: the reference" in str(e.value) and "--store full" in str(e.value)
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_impact_noising_patches_the_candidates_tensors_into_a_reference_run(tmp_path):
+    """`[impact] noising = true`: the model runs as the reference (no fault planted in it) and
+    each block gets the candidate's captured tensor; the planted fault's block brings in the
+    candidate's whole gap, and the line beside the culprit says "introduces"."""
+    text = (SCN / "tiny-planted-fault.toml").read_text()
+    text = text.replace("[golden]                              # high-precision",
+                        "[golden]\nenabled = false\n# high-precision")
+    text = text.replace('dtype = "float64"\n', "")
+    text = text.replace("[impact]  ", "[impact]\nnoising = true\n#")
+    scn = tmp_path / "noising.toml"
+    scn.write_text(text)
+    assert load_scenario(scn).impact.noising
+    out = tmp_path / "report"
+    msgs: list[str] = []
+    res = signoff(scn, out_dir=out, progress=msgs.append)
+    assert res.exit_code == 1 and res.culprit == f"{CULPRIT}#0"
+    imp = _json(out)["impact"]
+    assert imp["line"].startswith(f"impact: {CULPRIT} introduces 100.0% of the logit gap"), imp
+    result = json.loads((out / "impact.json").read_text())
+    assert result["method"] == "noising" and result["noising"].endswith("candidate.h5")
+    assert any("into a reference-device run" in m for m in msgs)

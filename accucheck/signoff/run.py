@@ -159,10 +159,13 @@ def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], re
                 pass
     if report and scn.previous is not None:
         _check_previous(scn.previous)
-    if report and scn.impact is not None and scn.reference.capture is not None:
+    if report and scn.impact is not None:
         from accucheck.impact.api import check_capture
 
-        check_capture(scn.reference.capture, "[impact]: the reference")
+        if scn.reference.capture is not None:
+            check_capture(scn.reference.capture, "[impact]: the reference")
+        if scn.impact.noising and scn.candidate.capture is not None:
+            check_capture(scn.candidate.capture, "[impact] noising: the candidate")
     if captured and not scn.prompts:
         raise UserError(f"scenario {scn.name} has no prompts: add prompts = [...] or "
                         f"prompts_file = \"...\", or give existing captures (--ref / --cand)")
@@ -332,7 +335,8 @@ def run_impact(scn: Scenario, paths: dict[str, Path], analysis: Analysis, log: P
                ) -> dict:
     """`[impact]`: the candidate (the scenario's model, the candidate's device and dtype, its
     planted fault) rerun with each layer block patched with the reference's tensors
-    (accucheck.impact); a full-store control gives the band. SignoffResult.impact: the line
+    (accucheck.impact); with `noising`, the model run as the reference (its device and dtype)
+    with each block patched with the candidate's tensors; a full-store control gives the band. SignoffResult.impact: the line
     beside the culprit, the culprit's site and the whole result (impact.json)."""
     from accucheck.impact.api import ImpactOptions, impact_dir
     from accucheck.impact.join import impact_line, site_for
@@ -343,10 +347,18 @@ def run_impact(scn: Scenario, paths: dict[str, Path], analysis: Analysis, log: P
     if ctl is not None:
         with open_capture(ctl) as c:
             ctl = ctl if c.store_mode == "full" else None
-    opts = ImpactOptions(device=cand.device, dtype=cand.dtype, include=scn.impact.include,
-                         control=str(ctl) if ctl else None, bisect=scn.impact.bisect,
-                         plant=((cand.fault.module, cand.fault.kind),) if cand.fault else ())
-    log("signoff: impact: patching the reference's tensors into the candidate")
+    common = dict(include=scn.impact.include, control=str(ctl) if ctl else None,
+                  bisect=scn.impact.bisect)
+    if scn.impact.noising:  # the candidate's tensors (its planted fault is in them)
+        ref = scn.reference
+        opts = ImpactOptions(device=ref.device, dtype=ref.dtype,
+                             noising=str(paths["candidate"]), **common)
+        log("signoff: impact: patching the candidate's tensors into a reference-device run")
+    else:
+        opts = ImpactOptions(device=cand.device, dtype=cand.dtype,
+                             plant=((cand.fault.module, cand.fault.kind),) if cand.fault else (),
+                             **common)
+        log("signoff: impact: patching the reference's tensors into the candidate")
     doc = impact_dir(paths["reference"], scenario_model_dir(scn), opts,
                      trust_remote_code=scn.trust_remote_code, progress=log).to_json()
     module = getattr(analysis.culprit, "module", None)

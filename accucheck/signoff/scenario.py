@@ -63,6 +63,9 @@ A scenario says what to run and how to judge it (see scenarios/*.toml for commen
                                             # impact: an hf candidate, a full-store reference)
     include = []                            # modules patched (default: the layer blocks)
     bisect = 1                              # then the children of the block recovering most
+    # noising = true                        # the reverse: the candidate's tensors into a run
+                                            # as the reference (hf reference run, full-store
+                                            # candidate): the share each site brings in
     # enabled = false
 
     [thresholds]                            # every key optional
@@ -184,9 +187,12 @@ class ImpactSpec:
     """A scenario's `[impact]`: when the sign-off fails, the reference's tensors are patched
     into the candidate (accucheck impact, docs/impact.md) and the report says beside the
     culprit what share of the logit gap it recovers. include: module globs to patch (default
-    the decoder layer blocks); bisect: then patch the children of this many blocks."""
+    the decoder layer blocks); bisect: then patch the children of this many blocks; noising:
+    the reverse, the candidate's tensors patched into a run on the reference's device and
+    dtype (the share of the candidate's gap each site brings in)."""
     include: tuple[str, ...] = ()
     bisect: int = 1
+    noising: bool = False
 
 
 @dataclass(frozen=True)
@@ -472,10 +478,17 @@ def _impact(r: _Reader, runs: dict) -> ImpactSpec | None:
     """`[impact]` (None with `enabled = false`): the candidate reruns with transformers and the
     reference's tensors are swapped in, so the candidate must be an hf run and a reference run
     here must store its tensors."""
-    r.check_known({"enabled", "include", "bisect"})
+    r.check_known({"enabled", "include", "bisect", "noising"})
     if not r.get("enabled", bool, True):
         return None
     ref, cand = runs["reference"], runs["candidate"]
+    noising = r.get("noising", bool, False)
+    if noising and (ref.capture is not None or ref.runner != "hf"):
+        raise r.fail("noising", "reruns the model as the reference device with transformers: "
+                                "it needs a reference run with runner = \"hf\" here")
+    if noising and cand.capture is None and (cand.store != "full" or not cand.teacher_forcing):
+        raise r.fail("noising", 'patches the candidate\'s tensors in: the candidate needs '
+                                'store = "full" and teacher_forcing = true')
     if cand.runner != "hf":
         raise r.fail("enabled", f'reruns the candidate with transformers: it needs a candidate '
                                 f'with runner = "hf", not {cand.runner!r} (or enabled = false)')
@@ -485,7 +498,7 @@ def _impact(r: _Reader, runs: dict) -> ImpactSpec | None:
     if ref.capture is None and (ref.positions, ref.requests, ref.layers) != ("all", (), None):
         raise r.fail("enabled", "replays every position of every request: the reference "
                                 "cannot set positions / requests / layers")
-    return ImpactSpec(r.strings("include"), r.count("bisect", 1))
+    return ImpactSpec(r.strings("include"), r.count("bisect", 1), noising)
 
 
 def control_defaults(defaults: dict, data: dict, runs: dict) -> dict:
