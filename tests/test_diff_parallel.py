@@ -262,3 +262,23 @@ def test_the_verdict_does_not_depend_on_the_processes_string_hash_seed(tmp_path)
                           text=True, env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
            for seed in ("0", "8")]
     assert json.loads(out[0])["records"] == json.loads(out[1])["records"]
+
+
+@pytest.mark.slow
+def test_a_real_eager_against_graph_pair_mostly_bitwise_equal_reads_under_a_tenth(tiny, tmp_path):
+    """issue 37: the tiny model captured eager and in graph mode (torch.compile, aot_eager:
+    the graph runs the eager kernels, so the records match bit for bit but for what the
+    compiled run rounds otherwise): the diff reads at most 10 % of the tensor bytes. (With
+    inductor on the CPU, its RMSNorm rounds otherwise from layer 0 on: 84 % is read.)"""
+    from accucheck.capture.runners.hf import capture_model
+
+    model, tok = tiny
+    prompts = ["The quick brown fox jumps over", "Numbers drift"]
+    kw = dict(tokenizer=tok, store="full", max_new_tokens=3)
+    eager = capture_model(model, prompts, tmp_path / "eager.h5", **kw)
+    graph = capture_model(model, prompts, tmp_path / "graph.h5", mode="graph",
+                          compile_backend="aot_eager", **kw)
+    d = diff_captures(eager, graph)
+    assert d.within
+    assert d.io["bytes_read"] <= 0.1 * d.io["bytes_data"], d.io
+    assert d.io["unread_identical"] >= 0.9 * len(d.records), (d.io, len(d.records))
