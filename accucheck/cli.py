@@ -235,7 +235,9 @@ def inspect(capture_file, pattern, step, limit, fmt):
               help="control run: the reference's code at the candidate's dtype on a trusted "
                    "device, forced to REF's tokens (`capture --control-for REF`); the candidate "
                    "is then judged against its noise, record by record (repeatable); `auto`: "
-                   "made here from REF's model directory, beside CAND (CAND.control.h5)")
+                   "made here from REF's model directory, beside CAND (CAND.control.h5); "
+                   "`auto:2` two of them (seeds 0 and 1: fewer false alarms, more faults "
+                   "named; docs/control.md)")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "md", "html"]),
               default="table", show_default=True,
               help="html: one self-contained page (heatmap, curves, logits); needs -o")
@@ -309,12 +311,14 @@ def diff(ref, cand, golden, controls, fmt, out, force, rel_l2, rtol, atol, overr
     from accucheck.importers import capture_path  # msprobe dump directory -> temporary capture
     close = click.get_current_context().call_on_close
     ref, cand = (capture_path(p, progress=err, on_close=close) for p in (ref, cand))
-    if "auto" in controls:
+    autos = [c for c in controls if c == "auto" or c.startswith("auto:")]
+    if autos:
+        runs = _auto_runs(autos[0])
         if len(controls) > 1:
-            raise UserError.usage("--control auto makes the one control run: give it alone")
+            raise UserError.usage("--control auto makes the control runs: give it alone")
         from accucheck.capture.runners.control import auto_control
 
-        controls = (str(auto_control(ref, cand, progress=err)),)
+        controls = tuple(str(p) for p in auto_control(ref, cand, runs=runs, progress=err))
     head = [f"diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
             + (f" (control {', '.join(controls)})" if controls else "")]
 
@@ -495,6 +499,15 @@ def replay(ref, ops, device, golden, limit, fmt):
     result = replay_ops(ref, ops, device=device, golden=golden, limit=limit)
     click.echo(render(result, fmt), nl=False)
     return result.exit_code
+
+
+def _auto_runs(value: str) -> int:
+    """N of `--control auto:N` (1 for `auto`): 1 to 3 control runs."""
+    n = value.partition(":")[2] or "1"
+    if not n.isdigit() or not 1 <= int(n) <= 3:
+        raise UserError.usage(f"--control {value}: use auto, auto:2 or auto:3 (the number of "
+                              f"control runs made here)")
+    return int(n)
 
 
 def _plants(pairs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

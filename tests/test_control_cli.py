@@ -178,6 +178,33 @@ def test_control_auto_makes_the_control_beside_the_candidate_and_reuses_it(files
     assert code4 == 2 and "give it alone" in err4
 
 
+def test_control_auto_2_makes_two_dithered_controls_and_judges_with_both(files, capsys,
+                                                                        tmp_path):
+    """`--control auto:2`: CAND.control.h5 (seed 0) and CAND.control2.h5 (seed 1), both
+    judged with (the rule takes the mean of their errors), reused on the next diff; a file in
+    the second's place that is another seed's control is refused before anything is made."""
+    import shutil
+
+    cand = tmp_path / "fault.h5"
+    shutil.copy(files / "fault.h5", cand)
+    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto:2"], capsys)
+    one, two = tmp_path / "fault.control.h5", tmp_path / "fault.control2.h5"
+    assert code == 1 and one.is_file() and two.is_file(), err
+    assert "model.layers.2.mlp.down_proj" in out and f"(control {one}, {two})" in err
+    with open_capture(one) as a, open_capture(two) as b:
+        assert (a.meta["options"]["dither"], b.meta["options"]["dither"]) == (0, 1)
+    code2, out2, err2 = run(["diff", files / "ref.h5", cand, "--control", "auto:2"], capsys)
+    assert code2 == 1 and err2.count("control: using") == 2 and out2 == out
+    other = tmp_path / "other.h5"
+    shutil.copy(files / "fault.h5", other)
+    shutil.copy(one, tmp_path / "other.control2.h5")  # seed 0's control where seed 1's goes
+    code3, _, err3 = run(["diff", files / "ref.h5", other, "--control", "auto:2"], capsys)
+    assert code3 == 3 and "(seed 1)" in err3 and not (tmp_path / "other.control.h5").exists()
+    for bad in ("auto:0", "auto:x", "auto:4"):
+        code4, _, err4 = run(["diff", files / "ref.h5", cand, "--control", bad], capsys)
+        assert code4 == 2 and "use auto, auto:2 or auto:3" in err4
+
+
 def test_control_auto_without_the_model_here_says_where_to_make_it(files, capsys, tmp_path):
     import shutil
 
