@@ -336,8 +336,9 @@ def run_impact(scn: Scenario, paths: dict[str, Path], analysis: Analysis, log: P
     """`[impact]`: the candidate (the scenario's model, the candidate's device and dtype, its
     planted fault) rerun with each layer block patched with the reference's tensors
     (accucheck.impact); with `noising`, the model run as the reference (its device and dtype)
-    with each block patched with the candidate's tensors; a full-store control gives the band. SignoffResult.impact: the line
-    beside the culprit, the culprit's site and the whole result (impact.json)."""
+    with each block patched with the candidate's tensors; a full-store control gives the band.
+    SignoffResult.impact: the line beside the culprit, the culprit's site and the whole result
+    (impact.json)."""
     from accucheck.impact.api import ImpactOptions, impact_dir
     from accucheck.impact.join import impact_line, site_for
     from accucheck.report.diff import flip_context
