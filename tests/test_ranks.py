@@ -521,3 +521,4 @@ def test_op_records_never_name_a_rank():
     assert _base_key(RecordKey.parse("r0.s0:m#0/aten.mm@0:out.0.rank1")) is None
     assert str(_base_key(RecordKey.parse("r1.s2:m#0:out.0.rank1"))) == "r1.s2:m#0:out.0"
     assert _base_key(RecordKey.parse("r1.s2:m#0:out.0")) is None
+

@@ -251,17 +251,28 @@ def test_a_rank_that_records_nothing_fails_the_coverage_check(tiny_dir, work, mp
 
 
 def test_a_killed_worker_leaves_an_incomplete_file_diff_refuses(tiny_dir, work, mp1):
+    """Rank 1 dies at its second forward: one line, exit 3; the file is incomplete but holds
+    the records of the forward both ranks completed (request 0's prefill, merged across the
+    ranks from what the workers noted beside their tensors), which `diff --allow-incomplete`
+    compares; a plain diff refuses it."""
     out = work / "killed.h5"
     res = _plain(tiny_dir, out, 2, {"ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 1,
                                                                             "exit_at": 2})})
     assert res.returncode == 3, res.stderr[-3000:]
     [err] = [ln for ln in _lines(res.stderr) if ln.startswith("accucheck: error:")]
-    assert "a worker process died" in err, res.stderr[-3000:] and f"{out} is left incomplete" in err
+    assert "a worker process died" in err, res.stderr[-3000:]
+    assert f"{out} is left incomplete (" in err and "(0 records)" not in err, err
     with open_capture(out, allow_incomplete=True) as r:
         assert not r.complete
+        kept = r.meta["salvaged"]
+        assert kept["steps"] == [[0, 0]] and kept["records"] == len(r.rows) > 0
+        assert {(row.key.req, row.key.step) for row in r.rows} == {(0, 0)}
     d = _accucheck("diff", mp1[0], out)
     assert d.returncode == 3 and len(d.stderr.strip().splitlines()) == 1
     assert "incomplete capture" in d.stderr
+    d = _accucheck("diff", mp1[0], out, "--allow-incomplete")
+    assert d.returncode == 0 and d.stdout.startswith("PASS: "), d.stdout + d.stderr[-2000:]
+    assert "on one side only" in d.stdout
 
 
 def test_tp2_graph_mode_records_every_rank_and_matches_eager(tiny_dir, work, mp1):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -343,3 +344,34 @@ def test_an_engine_option_the_platform_overrode_is_said_and_kept_in_meta(capsys)
     err = capsys.readouterr().err
     assert err == ("note: engine option block_size=64 is not in effect: this engine runs "
                    "block_size=16 (the platform overrides it)\n")
+
+
+def test_what_a_worker_noted_survives_its_death_a_forward_at_a_time(tmp_path):
+    """record.spill, here for vllm_plugin.Record (which imports vLLM). Each forward's records
+    are one line of rank<r>.idx, written after their tensors are flushed: the front end reads
+    back every whole line and drops a line cut short (a worker that died writing it), and a
+    row gives back the record (key, statistics, where its tensor lies) with its tensor
+    readable."""
+    from accucheck.capture.record.spill import Spill, SpillReader
+    from accucheck.capture.runners.vllm_plugin import Record
+
+    spill = Spill(str(tmp_path), 1)
+    t = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    stats = np.array([1.0, np.nan, np.inf, -2.5])
+    rec = Record(0, 0, "model.layers.0.mlp", 0, "out", "0", "float32", (1, 2, 3), stats,
+                 2**63 + 5, None, 0, 1, spill.put(t))
+    spill.note([rec.to_row()])
+    spill.note([Record(0, 1, "model.layers.0.mlp", 0, "out", "0", "float32", (1, 2, 3), stats,
+                       7, None, 0, 1, spill.put(t + 1)).to_row()])
+    spill.close()
+    with open(tmp_path / "rank1.idx", "a") as f:
+        f.write('[[0, 2, "model.layers.0.mlp", 0, "o')  # the third forward, cut short
+    noted = SpillReader(str(tmp_path)).noted(range(2))
+    assert list(noted) == [0, 1] and noted[0] == [] and len(noted[1]) == 2
+    back = [Record.from_row(row) for row in noted[1]]
+    assert [(b.req, b.step) for b in back] == [(0, 0), (0, 1)]
+    assert back[0].checksum == 2**63 + 5 and back[0].shape == (1, 2, 3)
+    np.testing.assert_array_equal(back[0].stats, stats)
+    reader = SpillReader(str(tmp_path))
+    np.testing.assert_array_equal(reader.data(back[0]), t)
+    np.testing.assert_array_equal(reader.data(back[1]), t + 1)

@@ -3,7 +3,11 @@ tensors to `<dir>/rank<r>.bin` as its forwards complete (`Spill`), and the front
 back one record at a time while it merges and writes the capture (`SpillReader`). Used by the
 vLLM runner (capture.runners.vllm_plugin in the workers, capture.runners.vllm in the front end).
 numpy only (tests/test_ranks.py): the file is raw bytes, private to one capture and removed
-with it, so it needs no format; where each tensor lies travels with its record. And
+with it, so it needs no format; where each tensor lies travels with its record. Beside it,
+`<dir>/rank<r>.idx`: each forward's records (key, statistics, where the tensor lies) as one
+JSON line once its tensors are on disk, so that when the engine dies mid-capture the front
+end still writes the records of the forwards every rank completed (`Spill.note`,
+`SpillReader.noted`). And
 `release_freed_memory`: what a step freed goes back to the system, so that a capture's memory
 stays at one step's records.
 
@@ -14,7 +18,9 @@ None).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -24,6 +30,10 @@ from accucheck.errors import UserError
 
 def _path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.bin")
+
+
+def _index(path: str) -> str:
+    return path[:-len(".bin")] + ".idx"
 
 
 class Spill:
@@ -45,6 +55,16 @@ class Spill:
         self._f.write(np.ascontiguousarray(data).tobytes())
         return [at, data.dtype.str]
 
+    def note(self, rows: list) -> None:
+        """One forward's records (JSON-able rows, their tensors already `put`) appended to
+        `rank<r>.idx` as one line, after the tensors are flushed: what the front end keeps of
+        a capture whose engine dies (`SpillReader.noted`). A line cut short by the death is
+        dropped whole, so a forward's records are kept all or none."""
+        if self._f is not None:
+            self._f.flush()
+        with open(_index(self.path), "a", encoding="utf-8") as f:
+            f.write(json.dumps(rows) + "\n")
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
@@ -56,6 +76,25 @@ class SpillReader:
 
     def __init__(self, directory: str):
         self.directory = directory
+
+    def noted(self, ranks: range) -> dict[int, list]:
+        """rank -> the rows its worker noted, forward by forward (`Spill.note`); a last line
+        cut short (the worker died writing it) is left out."""
+        out: dict[int, list] = {}
+        for rank in ranks:
+            rows: list = []
+            try:
+                lines = Path(_index(_path(self.directory, rank))).read_text(
+                    encoding="utf-8").splitlines()
+            except OSError:
+                lines = []
+            for ln in lines:
+                try:
+                    rows.extend(json.loads(ln))
+                except json.JSONDecodeError:
+                    break
+            out[rank] = rows
+        return out
 
     def data(self, rec) -> np.ndarray | None:
         if rec.spilled is None:

@@ -163,8 +163,10 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                 steps=n_new + 1) as session:
                 writer = session.writer
                 with interruptible():
-                    outputs, got = _generate(llm, prompt_ids, params_for(forced), tp, spec,
-                                             writer, timing)
+                    outputs, got = _generate(
+                        llm, prompt_ids, params_for(forced), tp, spec, writer, timing,
+                        lambda: _salvage(writer, reader, _info(infos)["kinds"], tp, prompt_ids,
+                                         prompts, forced))
                     t0 = time.monotonic()
                     merged = merge_ranks({r: [plugin.Record.from_wire(w) for w in g["records"]]
                                           for r, g in got.items()}, _info(infos)["kinds"], tp,
@@ -233,10 +235,11 @@ def _checked(model_dir: Path, out: str | Path, opts: CaptureOptions,
 
 
 def _generate(llm, prompt_ids: list[list[int]], params: list, tp: int, spec: dev.DeviceSpec,
-              writer: CaptureWriter, timing: dict) -> tuple[list, dict[int, dict]]:
+              writer: CaptureWriter, timing: dict, salvage=None) -> tuple[list, dict[int, dict]]:
     """Generate every request in one `llm.generate`, then collect every rank's records
-    (COLLECT). A worker that died is one line (UserError) naming what the file is left as; a
-    hook that failed in a worker is a bug (RuntimeError, the ranks' messages)."""
+    (COLLECT). A worker that died is one line (UserError) naming what the file is left as,
+    after `salvage()` wrote the records of the forwards every rank completed; a hook that
+    failed in a worker is a bug (RuntimeError, the ranks' messages)."""
     try:
         t0 = time.monotonic()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
@@ -247,6 +250,8 @@ def _generate(llm, prompt_ids: list[list[int]], params: list, tp: int, spec: dev
     except Exception as e:
         if not _engine_died(e):
             raise
+        if salvage is not None:
+            salvage()
         raise UserError(f"the vLLM engine stopped mid-capture: a worker process died "
                         f"({type(e).__name__}; vLLM's log above says which and why); "
                         f"{left_behind(writer)}") from None
@@ -650,6 +655,31 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
     check.seconds = time.monotonic() - t0
     return [(ids, t) for ids, t in zip(prompt_ids, tokens)], workers
+
+
+def _salvage(writer: CaptureWriter, reader: SpillReader, kinds: dict, tp: int, prompt_ids,
+             prompts, forced) -> None:
+    """The engine died mid-capture: write the records of the forwards every rank completed, as
+    the workers noted them beside their tensors (record.spill `Spill.note`), merged across
+    ranks as a finished capture's are; the prompts, and the forced tokens where there are any
+    (vLLM's outputs, with the logits and the generated tokens, never came back). The file stays
+    incomplete: `diff --allow-incomplete` compares what it holds."""
+    from accucheck.capture.runners import vllm_plugin as plugin
+
+    by_rank = {r: [plugin.Record.from_row(x) for x in rows]
+               for r, rows in reader.noted(range(tp)).items()}
+    done = set.intersection(*({(x.req, x.step) for x in recs} for recs in by_rank.values()))
+    merged = merge_ranks({r: [x for x in recs if (x.req, x.step) in done]
+                          for r, recs in by_rank.items()}, kinds, tp, reader.data)
+    for slot, rec in merged.records:
+        writer.add(RecordKey(rec.req, rec.step, rec.module, rec.call, rec.role, slot), "module",
+                   rec.dtype, rec.shape, rec.stats, rec.checksum, reader.data(rec))
+    for r, ids in enumerate(prompt_ids):
+        writer.set_request(r, ids, list(forced[r][1]) if forced is not None else [],
+                           prompts[r] if isinstance(prompts[r], str) else None)
+    writer.update_meta(salvaged={"records": len(merged.records),
+                                 "steps": sorted([int(a), int(b)] for a, b in done)})
+    writer.flush()
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,

@@ -152,6 +152,23 @@ class Record:
                 list(self.shape), np.asarray(self.stats, np.float64).tobytes(), self.checksum,
                 data, self.order, self.rank, self.spilled]
 
+    def to_row(self) -> list:
+        """JSON-able, for the spill's index (record.spill `Spill.note`): its tensor is on disk
+        (`spilled`) or not recorded (stats mode)."""
+        return [int(self.req), int(self.step), self.module, int(self.call), self.role,
+                self.slot, self.dtype, [int(x) for x in self.shape],
+                [float(x) for x in np.asarray(self.stats, np.float64)], int(self.checksum),
+                int(self.order), int(self.rank),
+                None if self.spilled is None else [int(self.spilled[0]), self.spilled[1]]]
+
+    @classmethod
+    def from_row(cls, row: list) -> "Record":
+        (req, step, module, call, role, slot, dtype, shape, stats, checksum, order, rank,
+         spilled) = row
+        return cls(int(req), int(step), module, int(call), role, slot, dtype,
+                   tuple(int(x) for x in shape), np.asarray(stats, np.float64), int(checksum),
+                   None, int(order), int(rank), spilled)
+
     @classmethod
     def from_wire(cls, w: list) -> "Record":
         (req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank,
@@ -498,6 +515,7 @@ class Collector:
                 continue
             items.append((name, role, call, slot, t))
         gates = {g for _e, g in self.routers}
+        first = len(self.records)
         for req, step, s0, cnt, more in plan:
             if not self.cfg.records(req, step):
                 continue
@@ -526,6 +544,7 @@ class Collector:
                                            stats, checksum, None if spilled else host, order,
                                            self.rank, spilled))
         if self.spill is not None:
+            self.spill.note([r.to_row() for r in self.records[first:]])
             release_freed_memory()
 
     def _join_chunks(self, req: int, pieces: list, more: bool) -> list:
