@@ -85,7 +85,9 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     are stored per rank with an annotation (accucheck.capture.record.ranks, meta "tensor_parallel").
     Pipeline / data / context parallel are refused (REFUSED_PARALLEL). The capture ends with
     the coverage verdict (accucheck.coverage): something expected but missing leaves the file
-    incomplete and raises UserError naming the rank / step / request.
+    incomplete and raises UserError naming the rank / step / request. A worker that dies
+    mid-capture: the records of the forwards every rank completed are written (`_salvage`),
+    the file left incomplete, before the one-line error.
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
     and meta "observer_effect" says how far the taps moved the logits
