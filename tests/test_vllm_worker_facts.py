@@ -375,3 +375,29 @@ def test_what_a_worker_noted_survives_its_death_a_forward_at_a_time(tmp_path):
     reader = SpillReader(str(tmp_path))
     np.testing.assert_array_equal(reader.data(back[0]), t)
     np.testing.assert_array_equal(reader.data(back[1]), t + 1)
+
+
+def test_an_engine_death_is_one_line_even_when_keeping_records_fails(tmp_path):
+    """The records of the completed forwards are written before the one-line error; if that
+    itself fails, the error still says the engine died (and why the records were not kept)."""
+    from accucheck.capture.runners.vllm import _generate
+    from accucheck.errors import UserError
+
+    class EngineDeadError(RuntimeError):
+        pass
+
+    def dies(*_a, **_k):
+        raise EngineDeadError("EngineCore encountered an issue")
+
+    llm = SimpleNamespace(generate=dies)
+    writer = SimpleNamespace(replacing=False, path=tmp_path / "x.h5", n_records=3)
+    kept = []
+    with pytest.raises(UserError, match=r"a worker process died .* left incomplete \(3 records\)$"):
+        _generate(llm, [[1, 2]], [None], 1, None, writer, {}, lambda: kept.append(1))
+    assert kept == [1]
+
+    def fails():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(UserError, match="could not be kept: .*No space left on device"):
+        _generate(llm, [[1, 2]], [None], 1, None, writer, {}, fails)

@@ -38,7 +38,7 @@ from accucheck.capture.record.graph import ObserverCheck
 from accucheck.capture.record.ranks import Merged, merge_ranks, merge_weight_tables
 from accucheck.capture.record.spill import SpillReader, release_freed_memory
 from accucheck.capture.models import config_hash, load_tokenizer
-from accucheck.errors import UserError
+from accucheck.errors import UserError, one_line
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.store import CaptureWriter, meta_header
 
@@ -252,11 +252,15 @@ def _generate(llm, prompt_ids: list[list[int]], params: list, tp: int, spec: dev
     except Exception as e:
         if not _engine_died(e):
             raise
-        if salvage is not None:
-            salvage()
+        kept = ""
+        try:
+            if salvage is not None:
+                salvage()
+        except Exception as s_err:  # never hide the death behind what keeping records hit
+            kept = f" (the completed forwards' records could not be kept: {one_line(s_err)})"
         raise UserError(f"the vLLM engine stopped mid-capture: a worker process died "
                         f"({type(e).__name__}; vLLM's log above says which and why); "
-                        f"{left_behind(writer)}") from None
+                        f"{left_behind(writer)}{kept}") from None
     refuse_hook_errors(got, writer)
     return outputs, got
 
