@@ -85,6 +85,10 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
               help="the requests recorded, e.g. 0,2-3 (every request still runs)")
 @click.option("--layers", default=None,
               help="the decoder layers recorded, e.g. 0-3,28,29 (modules outside layers stay)")
+@click.option("--logits", default="full", show_default=True,
+              help="logits recorded: full (raw, every vocabulary entry) or topk:K (per position "
+                   "the K largest log-probabilities and the following token's, with ids; kept "
+                   "in the stats store too)")
 @click.option("--level", type=click.Choice(["module", "op"]), default="module",
               show_default=True,
               help="op: also every operator inside the selected modules (eager mode only)")
@@ -125,7 +129,8 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
             max_new_tokens, include, exclude, record_inputs, seed, deterministic, tokens_from,
             routing_from, routing_weights, control_for, plain_control, compression,
             compile_backend, observer_check, engine_args, trust_remote_code, list_modules, force,
-            level="module", shadow=None, positions="all", requests_=None, layers=None):
+            level="module", shadow=None, positions="all", requests_=None, layers=None,
+            logits="full"):
     """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
     for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
     from accucheck.capture.options import CaptureOptions, check_runner, parse_requests
@@ -140,7 +145,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
                           compression=compression, compile_backend=compile_backend, force=force,
                           level=level, shadow=shadow, observer_check=observer_check,
                           routing_from=routing_from, routing_weights=routing_weights,
-                          positions=positions, layers=layers,
+                          positions=positions, layers=layers, logits=logits,
                           requests=parse_requests(requests_) if requests_ is not None else ())
     engine = _engine_args(engine_args)
     check_runner(opts, runner, engine)  # every flag clash, exit 2, before anything is read

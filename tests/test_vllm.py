@@ -374,6 +374,42 @@ def test_a_selection_records_the_last_positions_of_a_chunked_prefill(tiny_dir, w
 
 
 @vllm_mark
+def test_top_k_logits_are_vllms_own_log_probabilities(tiny_dir, work, hf_full, eager):
+    """issue 36, item 2: --logits topk:K asks vLLM for K logprobs per position (raw_logprobs),
+    not the full vocabulary as Python lists; the file holds, in the stats store too, each
+    position's top-k and the following token's log-probability, equal to transformers' full
+    logits' within fp32 noise, and the diff against the full HF capture compares them."""
+    from accucheck.capture.runners import vllm as runner
+    from accucheck.compare.diff import diff_captures
+
+    k = 6
+    out = runner.capture_vllm(tiny_dir, PROMPTS, work / "vllm_topk.h5",
+                              CaptureOptions(max_new_tokens=N_NEW, logits=f"topk:{k}",
+                                             tokens_from=str(eager)), dict(ENGINE))
+    with open_capture(out) as c, open_capture(hf_full) as h:
+        assert c.meta["vllm"]["engine_kwargs"]["logprobs_mode"] == "raw_logprobs"
+        for r, (prompt, gen) in enumerate(_tokens(eager)):
+            for step in range(N_NEW + 1):
+                values = c.read(f"r{r}.s{step}:logits#0:out.0")
+                ids = c.read(f"r{r}.s{step}:logits#0:out.1")
+                full = h.read(f"r{r}.s{step}:logits#0:out.0").astype(np.float64)
+                lp = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(
+                    -1, keepdims=True)) - full.max(-1, keepdims=True)
+                assert values.shape == ids.shape == (1, full.shape[1], k + 1)
+                follow = (prompt[1:] if step == 0 else []) + \
+                    ([gen[step]] if step < N_NEW else [int(full[0, -1].argmax())])
+                assert ids[0, :, 0].tolist() == follow
+                assert ids[0, :, 1].tolist() == full[0].argmax(-1).tolist()
+                got = np.take_along_axis(lp[0], ids[0], -1)
+                np.testing.assert_allclose(values[0], got, atol=1e-4)
+    d = diff_captures(hf_full, out)
+    assert d.within and d.first_flip is None
+    assert any("cand top-6 log-probabilities" in n for n in d.notes)
+    assert sum(len(s.positions) for s in d.logits) == sum(
+        len(p) + N_NEW for p, _ in _tokens(eager))
+
+
+@vllm_mark
 def test_the_last_position_only_asks_vllm_for_no_prompt_logits(tiny_dir, work, eager,
                                                                monkeypatch):
     """--positions last:1: the prompt logits are not asked of vLLM (its Python lists of every
@@ -535,7 +571,7 @@ def test_log_probabilities_where_raw_logits_were_asked_are_refused():
     refused in one line; raw logits pass."""
     from types import SimpleNamespace
 
-    from accucheck.capture.runners.vllm import _step_logits
+    from accucheck.capture.runners.vllm_logits import step_logits as _step_logits
 
     rng = np.random.default_rng(0)
     vocab, n_prompt, n_new = 16, 3, 2

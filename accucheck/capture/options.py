@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from accucheck.capture import device as dev
 from accucheck.capture.models import parse_dtype
 from accucheck.errors import UserError
-from accucheck.store import parse_layers, parse_positions, parse_requests  # noqa: F401
+from accucheck.store import (parse_layers, parse_logits, parse_positions,  # noqa: F401
+                             parse_requests)
 
 MODES = ("eager", "graph")
 LEVELS = ("module", "op")
@@ -59,6 +60,9 @@ class CaptureOptions:
     of the prefill); the request numbers recorded (all run; empty: every one); the decoder
     layers recorded ("0-3,28-29"; modules outside layers are kept). Each is in meta `options`
     so a diff says what was compared.
+    logits: "full" (raw logits over the whole vocabulary) or "topk:K" (per position the K
+    largest log-probabilities and the following token's, with their ids: store.logits_topk;
+    kept in every store mode).
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -83,13 +87,15 @@ class CaptureOptions:
     positions: str = "all"
     requests: tuple[int, ...] = ()
     layers: str | None = None
+    logits: str = "full"
     meta_extra: dict = field(default_factory=dict)
 
     def meta(self) -> dict:
         """The options as a capture's meta "options" holds them: without meta_extra and force,
         and without dither, positions, requests or layers where they have their default (the
         run was not dithered, records everything: store.Selection reads them so)."""
-        unset = {"dither": None, "positions": "all", "requests": (), "layers": None}
+        unset = {"dither": None, "positions": "all", "requests": (), "layers": None,
+                 "logits": "full"}
         return {k: v for k, v in asdict(self).items()
                 if k not in ("meta_extra", "force") and not (k in unset and v == unset[k])}
 
@@ -121,6 +127,7 @@ class CaptureOptions:
             parse_dtype(self.dtype)
         dev.parse_device(self.device)
         parse_positions(self.positions)
+        parse_logits(self.logits)
         if self.layers is not None:
             parse_layers(self.layers)
         if any(type(r) is not int or r < 0 for r in self.requests):
@@ -188,7 +195,11 @@ def check_runner(opts: CaptureOptions, runner: str, engine_kwargs: dict | None =
     if "enforce_eager" in engine_kwargs and bool(engine_kwargs["enforce_eager"]) != eager:
         raise UserError.usage(f"enforce_eager={engine_kwargs['enforce_eager']} contradicts "
                               f"--mode {opts.mode}: drop enforce_eager, --mode sets it")
-    for key, want in VLLM_FORCED_ENGINE.items():
+    if parse_logits(opts.logits) and opts.mode == "graph" and opts.observer_check:
+        raise UserError.usage(f"--logits {opts.logits} with --runner vllm --mode graph needs "
+                              f"--no-observer-check (the observer check measures the taps' "
+                              f"effect on the full logits)")
+    for key, want in dict(VLLM_FORCED_ENGINE, logprobs_mode=logprobs_mode(opts)).items():
         if key == "enable_prefix_caching" and engine_kwargs.get(key) is True:
             if parse_positions(opts.positions) in (0, 1):
                 continue  # no prompt logits asked: vLLM reads the cache (vllm.prefix_cached)
@@ -199,6 +210,12 @@ def check_runner(opts: CaptureOptions, runner: str, engine_kwargs: dict | None =
         if key in engine_kwargs and engine_kwargs[key] != want:
             raise UserError.usage(f"engine option {key}={engine_kwargs[key]!r} cannot be used "
                                   f"for a capture (it needs {key}={want!r}): drop it")
+
+
+def logprobs_mode(opts: CaptureOptions) -> str:
+    """The vLLM engine's logprobs_mode for a capture: raw logits for full-vocabulary ones, raw
+    log-probabilities for top-k ones (--logits topk:K)."""
+    return "raw_logprobs" if parse_logits(opts.logits) else "raw_logits"
 
 
 def vllm_dtype(name: str | None) -> str:

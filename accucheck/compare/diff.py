@@ -55,10 +55,12 @@ from accucheck.compare.opmatch import align_captures
 from accucheck.compare.parallel import (data_bytes, measure, nbytes, progress_line,
                                         square_sum_positive, unread_pair)
 from accucheck.compare.shards import ShardGroup, rank_notes, rank_pairs
+from accucheck.compare.topk import TopkSide, compare_topk, ids_key
 from accucheck.compare.transforms import Transform, find_record
 from accucheck.compare.transforms import apply as apply_transform
 from accucheck.compare.routing import JUDGED_ELSEWHERE, apply_routing, routing_notes
-from accucheck.store import (SAMPLE_SIZE, CaptureReader, IndexRow, Selection, open_capture,
+from accucheck.store import (LOGITS_IDS_SLOT, SAMPLE_SIZE, CaptureReader, IndexRow, Selection,
+                             logits_topk, open_capture,
                              sample_positions, sketch_rel)
 from accucheck.compare.tolerances import (GOLDEN_MULTIPLIER, Tolerance, ToleranceTable, _matches,
                                           loosest_dtype)
@@ -218,6 +220,8 @@ class _Differ:
         self._rank_keys: dict[tuple[str, str], RecordKey] = {}
         # capture --positions: prefill records of other positions compare on the common ones
         self.other_positions = Selection.of(R.meta).positions != Selection.of(C.meta).positions
+        # capture --logits topk:K: logits compared on the tokens both sides hold (compare.topk)
+        self.topk = (logits_topk(R.meta), logits_topk(C.meta))
 
     # -- tokens
     def _token_limits(self) -> tuple[dict[int, int | None], TokenFlip | None]:
@@ -406,6 +410,8 @@ class _Differ:
                     f"{len(ops.one_sided) - n_ref} only in cand): fused or absent there, not "
                     f"errors; {ops.n_fused} fused regions compared by their final output")
         missing, pairs = self._selected(missing, pairs)
+        if any(self.topk):
+            missing, pairs = self._topk_pairs(missing, pairs)
         if not pairs and not missing:
             raise UserError(f"no records to compare between {self.R.path} and {self.C.path} "
                             f"(check --step / --include)")
@@ -443,6 +449,51 @@ class _Differ:
                     f"statistics only there (statistics of other positions do not compare): "
                     f"capture both with the same --positions, or with --store full")
         return missing, pairs
+
+    def _topk_pairs(self, missing: list[MissingKey], pairs: list) -> tuple[list, list]:
+        """A side holds top-k logits (capture --logits topk:K): their ids records (slot "1")
+        go with the values, never compared or missing alone; logits a side holds as
+        statistics of the full vocabulary do not compare with top-k values (left out, said).
+        Says what is compared."""
+        def ids_row(key: RecordKey) -> bool:
+            return key.is_logits and key.slot == LOGITS_IDS_SLOT
+
+        missing = [m for m in missing if not ids_row(RecordKey.parse(m.key))]
+        pairs = [(a, b) for a, b in pairs if not ids_row(a.key)]
+        unread = [(a, b) for a, b in pairs if a.kind == "logits" and a.key.op is None
+                  and not (a.has_data and b.has_data)]
+        if unread:
+            drop = {id(a) for a, _ in unread}
+            pairs = [(a, b) for a, b in pairs if id(a) not in drop]
+        kr, kc = self.topk
+        say = lambda k: f"top-{k} log-probabilities" if k else "full logits"  # noqa: E731
+        self.notes.append(
+            f"logits: ref holds {say(kr)}, cand {say(kc)} (capture --logits): compared on the "
+            f"tokens both hold at each position; KL over those tokens and the rest of the "
+            f"vocabulary as one outcome (a lower bound on the full KL); top-1 and the "
+            f"top-1 / top-2 margin exact"
+            + (f"; {len(unread)} logits records not compared: a side holds full logits as "
+               f"statistics only (capture it with --store full or --logits topk:K)"
+               if unread else ""))
+        return missing, pairs
+
+    def _topk(self, ra: IndexRow, ca: IndexRow, tol: Tolerance, base: dict
+              ) -> tuple[RecordDiff, LogitsStep]:
+        """A logits record where a side holds top-k log-probabilities (compare.topk)."""
+        sides = []
+        for reader, row, k in ((self.R, ra, self.topk[0]), (self.C, ca, self.topk[1])):
+            values = reader.read(row.key)
+            ids = reader.read(ids_key(row.key)) if k else None
+            self.bytes_read += nbytes(row) + (nbytes(reader.row(ids_key(row.key))) if k else 0)
+            sides.append((values, ids))
+        (va, ia), (vb, ib) = sides
+        rows = min(int(np.prod(va.shape[:-1])), int(np.prod(vb.shape[:-1])))
+        cut = lambda x: None if x is None else x.reshape(-1, x.shape[-1])[-rows:]  # noqa: E731
+        metrics, positions, _ = compare_topk(
+            TopkSide(cut(va), cut(ia)), TopkSide(cut(vb), cut(ib)), ra.dtype, ca.dtype,
+            rtol=tol.rtol, atol=tol.atol)
+        return RecordDiff(basis="tensor", metrics=metrics, **base), \
+            LogitsStep(ra.key, tuple(positions))
 
     def io(self) -> dict:
         """Tensor bytes read against the captures' tensor data (ref + cand, + golden), the
@@ -511,6 +562,8 @@ class _Differ:
                     cand_dtype=ca.dtype, ref_shape=ra.shape, cand_shape=ca.shape,
                     tolerance=tol, cand_key=ca.key if ca.key != ra.key else None,
                     src=_links(ra) or _links(ca), ref_stats=ra.stats, cand_stats=ca.stats)
+        if ra.kind == "logits" and any(self.topk) and ra.key.op is None:
+            return self._topk(ra, ca, tol, base)
         todo = [t for t in self.transforms if t.matches(ra.key)]
         if todo and ra.has_data and ca.has_data:
             return self._transformed(ra, ca, todo, tol, base), None

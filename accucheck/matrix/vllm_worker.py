@@ -35,7 +35,8 @@ def run_engine(job: dict) -> tuple[dict, dict[str, np.ndarray]]:
 
     from accucheck.capture import device as dev
     from accucheck.capture.runners import vllm_plugin as plugin
-    from accucheck.capture.runners.vllm import dense_logits, planted_test_fault, shutdown
+    from accucheck.capture.runners.vllm import planted_test_fault, shutdown
+    from accucheck.capture.runners.vllm_logits import dense_logits
 
     specs = [RunSpec(tuple((k, v) for k, v in flips), label) for label, flips in job["specs"]]
     prompt_ids, n_new, dtype = job["prompt_ids"], int(job["n_new"]), job["dtype"]

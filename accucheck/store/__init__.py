@@ -86,7 +86,8 @@ from accucheck.store.format import (FORMAT, KINDS, REGENERATE_HINT, SAMPLE_SIZE,
                                     SCHEMA_MINOR, SCHEMA_VERSION, STAT_FIELDS, STORE_MODES,
                                     _INDEX_COLUMNS, _OPTIONAL_COLUMNS, IndexRow, RequestTokens,
                                     Selection, Stats, bf16_bits_to_float32, content_hash,
-                                    meta_header, parse_layers, parse_positions, parse_ranges,
+                                    LOGITS_IDS_SLOT, logits_topk, meta_header, parse_layers,
+                                    parse_logits, parse_positions, parse_ranges,
                                     parse_requests, sample_positions)
 from accucheck.store.sketch import (SKETCH_FLOOR, SKETCH_SIZE, SKETCH_WIDTH,  # noqa: F401
                                     sketch_rel, sketch_row)

@@ -181,6 +181,37 @@ def parse_positions(text: str) -> int | None:
     return int(m.group(1))
 
 
+LOGITS_TOPK_MAX = 4096
+LOGITS_IDS_SLOT = "1"  # a top-k logits record's token ids: `logits#0:out.1` beside `out.0`
+
+
+def parse_logits(text: str) -> int | None:
+    """--logits: "full" -> None (every vocabulary entry, raw logits), "topk:K" -> K (the K
+    largest log-probabilities per position and the following token's, with their token ids).
+    UserError.usage for anything else."""
+    if text == "full":
+        return None
+    m = re.fullmatch(r"topk:(\d+)", text)
+    if not m or not 1 <= int(m.group(1)) <= LOGITS_TOPK_MAX:
+        raise UserError.usage(f"--logits {text!r}: use full or topk:K (1 <= K <= "
+                              f"{LOGITS_TOPK_MAX})")
+    return int(m.group(1))
+
+
+def logits_topk(meta: dict) -> int | None:
+    """K when a capture holds its logits as top-k log-probabilities (capture --logits topk:K,
+    meta "options"."logits"): `logits` slot "0" [.., positions, K + 1] float32, column 0 the
+    log-probability of the token that follows the position (the next prompt token; the token
+    the step takes), columns 1..K the K largest in descending order; slot "1" their token ids
+    (int64; -1 and NaN where no token follows). None: full raw logits."""
+    o = meta.get("options") if isinstance(meta.get("options"), dict) else {}
+    text = o.get("logits")
+    if not isinstance(text, str) or text == "full":
+        return None
+    m = re.fullmatch(r"topk:(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
 def parse_layers(text: str) -> list[tuple[int, int]]:
     """--layers "0-3,28,29" -> [(0, 3), (28, 28), (29, 29)] (inclusive). UserError.usage for
     anything else."""

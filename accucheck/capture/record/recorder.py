@@ -61,7 +61,7 @@ from accucheck.capture.record.links import (Frame, Pending, Producers, identity,
                                             view_of, weak_expired, weak_free)
 from accucheck.capture.record.selection import call_slots, flatten, inputs_of, token_cut
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import CaptureWriter, bf16_bits_to_float32
+from accucheck.store import LOGITS_IDS_SLOT, CaptureWriter, bf16_bits_to_float32
 
 
 def finish_stats(raw: np.ndarray, numel: int, host: np.ndarray | None = None) -> np.ndarray:
@@ -679,8 +679,10 @@ class Recorder:
         cut = token_cut(tokens, self.last_positions) if tokens is not None else None
         self.stats = _CutStats(self._all_stats, cut) if cut is not None else self._all_stats
 
-    def end_step(self, logits: torch.Tensor | None = None) -> int:
-        """Turn what the hooks collected (plus the step's logits) into records; flush.
+    def end_step(self, logits: torch.Tensor | None = None,
+                 logit_ids: torch.Tensor | None = None) -> int:
+        """Turn what the hooks collected (plus the step's logits; with `logit_ids`, top-k
+        log-probabilities and their token ids: store.logits_topk) into records; flush.
         Returns the number of records written."""
         if self._skipping:
             self._skipping = False
@@ -695,6 +697,9 @@ class Recorder:
         if logits is not None:
             items.append(Pending(LOGITS_MODULE, "out", "0", "logits", None, "", (), 0,
                                   tensor=logits.detach()))
+            if logit_ids is not None:
+                items.append(Pending(LOGITS_MODULE, "out", LOGITS_IDS_SLOT, "logits", None, "",
+                                     (), 0, tensor=logit_ids))
         cut = self.stats.cut if isinstance(self.stats, _CutStats) else None
         for p in items:
             t = p.tensor

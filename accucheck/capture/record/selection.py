@@ -103,6 +103,21 @@ def token_cut(tokens: int, last: int | None) -> Callable[[torch.Tensor], torch.T
     return cut
 
 
+def topk_logprobs(logits: torch.Tensor, k: int, follow: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw logits [..., positions, vocab] -> (log-probabilities [..., positions, k + 1] float32,
+    token ids [..., positions, k + 1] int64): column 0 the token that follows each position
+    (`follow` [..., positions] int64; -1 where none follows: id -1, NaN), columns 1..k the k
+    largest in descending order (store.logits_topk: what `--logits topk:K` keeps, the layout
+    vLLM's logprobs have)."""
+    lp = torch.log_softmax(logits.detach().float(), dim=-1)
+    values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    follow = follow.to(device=lp.device, dtype=torch.long)
+    at = lp.gather(-1, follow.clamp(min=0).unsqueeze(-1))
+    at = torch.where(follow.unsqueeze(-1) >= 0, at, torch.full_like(at, float("nan")))
+    return torch.cat([at, values], dim=-1), torch.cat([follow.unsqueeze(-1), ids], dim=-1)
+
+
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Tensors inside tensors / tuples / lists / dicts / ModelOutput, with their slot names.
     None and non-tensor leaves (caches, ints) are skipped. A complex tensor (DeepSeek-V2's

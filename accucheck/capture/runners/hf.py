@@ -30,10 +30,11 @@ from accucheck.capture.record.graph import (ObserverCheck, boundary_taps, router
                                             run_unobserved, tapped_modules)
 from accucheck.capture.record.moe import RoutingReplay, find_routers, moe_meta
 from accucheck.capture.record.recorder import Recorder
-from accucheck.capture.record.selection import select_modules
+from accucheck.capture.record.selection import select_modules, topk_logprobs
 from accucheck.capture.record.stats import kernel_status, weight_table
 from accucheck.errors import UserError
-from accucheck.store import CaptureWriter, meta_header, open_capture
+from accucheck.keys import LOGITS_MODULE
+from accucheck.store import CaptureWriter, meta_header, open_capture, parse_logits
 
 def capture_dir(model_dir: str | Path, prompts: Sequence[str], out: str | Path,
                 opts: CaptureOptions, *, trust_remote_code: bool = False,
@@ -132,7 +133,8 @@ def capture_model(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
                             steps=opts.max_new_tokens + 1 if causal else 1,
                             progress=progress) as session:
             recorder = _recorder(model, session.writer, modules, opts, source, taps,
-                                 keep=[r.gate for r in routers])
+                                 keep=[r.gate for r in routers]
+                                 + ([LOGITS_MODULE] if parse_logits(opts.logits) else []))
             with dithered(opts.dither) if opts.dither is not None \
                     else contextlib.nullcontext():
                 _generate(session, recorder, model, opts, _Run(
@@ -214,14 +216,18 @@ def _generate(session: CaptureSession, recorder: Recorder, model: nn.Module,
                         replay.begin_step(r, step)
                     at[0] = step
 
-                def on_logits(logits, r=r, at=at):
+                follow = check.tokens[r] if check is not None else \
+                    forced[r][1] if forced else None
+
+                def on_logits(logits, r=r, at=at, ids=ids, follow=follow):
                     if check is not None:  # record the untapped logits
                         untapped_logits = check.compare(r, at[0])
                         logits = untapped_logits if logits is not None else None
-                    recorder.end_step(logits)
-
-                follow = check.tokens[r] if check is not None else \
-                    forced[r][1] if forced else None
+                    if logits is not None and (k := parse_logits(opts.logits)):
+                        recorder.end_step(*topk_logprobs(
+                            logits, k, _following(logits, ids, follow, at[0])))
+                    else:
+                        recorder.end_step(logits)
                 gen = greedy(forward, r, ids, follow, on_step, on_logits)
                 prompt = run.prompts[r]
                 writer.set_request(r, gen.prompt_ids, gen.generated_ids,
@@ -273,6 +279,18 @@ def _shadow_source(opts: CaptureOptions):
     from accucheck.capture.record.shadow import ShadowSource
 
     return ShadowSource(opts.shadow)
+
+
+def _following(logits: torch.Tensor, prompt_ids: Sequence[int], follow, step: int
+               ) -> torch.Tensor:
+    """The token that follows each position of a step's logits [1, positions, vocab] (capture
+    --logits topk:K): the next prompt token at the prefill's positions, and at the last one
+    the token the step takes (the forced one, else the greedy argmax), as models.greedy_run
+    feeds it."""
+    taken = int(follow[step]) if follow is not None and step < len(follow) \
+        else int(logits[0, -1].argmax())
+    nxt = list(prompt_ids[1:]) if step == 0 else []
+    return torch.tensor([nxt + [taken]], dtype=torch.long)
 
 
 def _recorder(model: nn.Module, writer: CaptureWriter, modules: list[str],

