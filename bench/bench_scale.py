@@ -5,7 +5,7 @@ docs/scale.md ("Capture memory").
 
     python bench/bench_scale.py [--runners hf,vllm] [--prompts 2,4,8,16] [--steps 4]
         [--widths 1024] [--tokens 317] [--store full] [--positions all,last:16]
-        [--json rows.json]
+        [--logits full,topk:32] [--vocab 1024] [--json rows.json]
 
 The model: a random Llama (accucheck.capture.tiny's config and tokenizer; hidden WIDTH,
 intermediate 2.75 x WIDTH, 8 layers, 16 heads: 105M parameters at width 1024), float32,
@@ -14,7 +14,8 @@ built once per width into --work. Each capture is `accucheck capture` in a proce
 whole process tree every 20 ms and reports its peak (and the peaks of the capture process
 itself and of the largest process under it: vLLM's engine core / workers), the wall time and
 the file size. `--positions` captures each size again with `capture --positions` (what a
-capture records of each prefill). The
+capture records of each prefill), `--logits` with `capture --logits` (full raw logits or the
+top-k log-probabilities), `--vocab` sets the model's vocabulary (the tokenizer's too). The
 growth rate is (peak - the smallest run's peak) / (file - its file): memory per GB captured.
 """
 from __future__ import annotations
@@ -36,13 +37,14 @@ WORDS = ("the quick brown fox jumps over the lazy dog while numbers on the accel
          "accuracy of large language models depends on every layer embeddings attention").split()
 
 
-def model_dir(work: Path, width: int) -> Path:
+def model_dir(work: Path, width: int, vocab: int = 1024) -> Path:
     from accucheck.capture.tiny import write_tiny_model
 
-    d = work / f"llama-w{width}"
+    d = work / (f"llama-w{width}" + (f"-v{vocab}" if vocab != 1024 else ""))
     if not (d / "model.safetensors").is_file():
         write_tiny_model(d, seed=0, hidden_size=width, intermediate_size=int(width * 2.75),
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16)
+                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                         vocab_size=vocab)
     return d
 
 
@@ -81,11 +83,12 @@ def tree_rss(root: int) -> tuple[int, dict[int, int]]:
 
 
 def run(model: Path, runner: str, n: int, steps: int, tokens: int, store: str,
-        work: Path, positions: str = "all") -> dict:
+        work: Path, positions: str = "all", logits: str = "full") -> dict:
     out = work / f"{runner}-{n}.h5"
     args = [sys.executable, "-m", "accucheck", "capture", str(model), "--runner", runner,
             "--prompts", str(prompts_file(work, n, tokens)), "--store", store,
-            "--max-new-tokens", str(steps), "-o", str(out), "--force", "--positions", positions]
+            "--max-new-tokens", str(steps), "-o", str(out), "--force", "--positions", positions,
+            "--logits", logits]
     if runner == "vllm":
         args += ["--engine-arg", f"max_num_seqs={n}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="4")
@@ -106,7 +109,7 @@ def run(model: Path, runner: str, n: int, steps: int, tokens: int, store: str,
     size = out.stat().st_size
     out.unlink()
     return {"runner": runner, "prompts": n, "steps": steps, "tokens": tokens, "store": store,
-            "positions": positions,
+            "positions": positions, "logits": logits,
             "peak_gb": peak / 1e9, "front_gb": front / 1e9, "largest_child_gb": workers / 1e9,
             "file_gb": size / 1e9, "seconds": seconds}
 
@@ -120,6 +123,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=317)
     ap.add_argument("--store", default="full")
     ap.add_argument("--positions", default="all", help="comma list: all, last:N, decode")
+    ap.add_argument("--logits", default="full", help="comma list: full, topk:K")
+    ap.add_argument("--vocab", type=int, default=1024, help="the model's vocabulary size")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -127,24 +132,26 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"load average {os.getloadavg()[0]:.1f}; work {work}")
-    print("| runner | width | prompts | steps | positions | peak memory | capture process | "
-          "largest process under it | file | time | growth |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| runner | width | prompts | steps | positions | logits | peak memory | "
+          "capture process | largest process under it | file | time | growth |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for width in (int(w) for w in a.widths.split(",")):
-        model = model_dir(work, width)
+        model = model_dir(work, width, a.vocab)
         for runner in a.runners.split(","):
             first = None
             for steps in (int(s) for s in a.steps.split(",")):
-                for n, pos in ((int(x), p) for x in a.prompts.split(",")
-                               for p in a.positions.split(",")):
-                    r = dict(run(model, runner, n, steps, a.tokens, a.store, work, pos),
-                             width=width)
+                for n, pos, lg in ((int(x), p, g) for x in a.prompts.split(",")
+                                   for p in a.positions.split(",")
+                                   for g in a.logits.split(",")):
+                    r = dict(run(model, runner, n, steps, a.tokens, a.store, work, pos, lg),
+                             width=width, vocab=a.vocab)
                     first = first or r
                     grow = (r["peak_gb"] - first["peak_gb"]) / (r["file_gb"] - first["file_gb"]) \
                         if r["file_gb"] > first["file_gb"] else float("nan")
                     r["growth_per_gb"] = grow
                     rows.append(r)
-                    print(f"| {runner} | {width} | {n} | {steps} | {pos} | {r['peak_gb']:.2f} GB "
+                    print(f"| {runner} | {width} | {n} | {steps} | {pos} | {lg} | "
+                          f"{r['peak_gb']:.2f} GB "
                           f"(x{r['peak_gb'] / first['peak_gb']:.2f}) | {r['front_gb']:.2f} GB | "
                           f"{r['largest_child_gb']:.2f} GB | {r['file_gb']:.2f} GB | "
                           f"{r['seconds']:.0f} s | {grow:.2f} GB/GB |", flush=True)

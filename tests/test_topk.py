@@ -151,3 +151,15 @@ def test_vllm_graph_top_k_needs_the_observer_check_off():
     check_runner(CaptureOptions(mode="graph", logits="topk:4", observer_check=False), "vllm")
     with pytest.raises(UserError, match="raw_logprobs"):
         check_runner(CaptureOptions(logits="topk:4"), "vllm", {"logprobs_mode": "raw_logits"})
+
+
+def test_a_control_takes_the_references_logits_form_and_impact_refuses_top_k(tiny, caps,
+                                                                              capsys, tmp_path):
+    from accucheck.capture.options import CaptureOptions
+    from accucheck.capture.runners.control import control_run
+
+    _, opts = control_run(caps / "topk.h5", CaptureOptions(), dtype_given=False)
+    assert opts.logits == f"topk:{K}"
+    ref = _capture(tiny, tmp_path / "ref.h5", store="full", logits="topk:4")
+    code, _, err = run(["impact", ref, "@tiny"], capsys)
+    assert code == 3 and "top-4 log-probabilities" in err and "Traceback" not in err

@@ -26,7 +26,7 @@ from accucheck.capture.models import greedy_run
 from accucheck.errors import UserError
 from accucheck.impact.gap import Gap, GapSum, log_softmax
 from accucheck.keys import LOGITS_MODULE, RecordKey, split_rank
-from accucheck.store import CaptureReader
+from accucheck.store import CaptureReader, logits_topk
 
 EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "embed_in")
 
@@ -84,7 +84,13 @@ def missing_step(index: OutputIndex, module: str, requests: Sequence[Request],
 
 def logits_keys(reader: CaptureReader, requests: Sequence[Request], flag: str
                 ) -> dict[tuple[int, int], RecordKey]:
-    """(req, step) -> the capture's full logits record (UserError when one is missing)."""
+    """(req, step) -> the capture's full logits record (UserError when one is missing, or the
+    capture holds top-k log-probabilities: capture --logits topk:K)."""
+    if (k := logits_topk(reader.meta)) is not None:
+        raise UserError(f"{flag} {reader.path}: holds its logits as the top-{k} "
+                        f"log-probabilities (capture --logits topk:{k}); impact measures the "
+                        f"output gap over the whole vocabulary: capture it with --store full "
+                        f"and --logits full")
     out = {}
     for r, req in enumerate(requests):
         for s in req.steps():

@@ -8,7 +8,7 @@ CPU; or the GPU itself at another batch size or thread count), forced to the ref
 tokens (accucheck.compare.control). So it takes from REF: the prompts (as token ids: the same
 tokenization whatever the tokenizer here), the generated tokens (teacher forcing), the store
 mode, the module selection (--include / --exclude / --layers), what is recorded of the run
-(--positions, --requests), --inputs, --level and the number of decode steps; and from the
+(--positions, --requests, --logits), --inputs, --level and the number of decode steps; and from the
 command line: the device (default cpu), the dtype (default: the reference's, the bf16-vs-bf16
 case; give --dtype bfloat16 for a float32 reference), the seed
 and --deterministic. It always runs eager (the trusted path).
@@ -34,7 +34,7 @@ from accucheck.errors import UserError
 from accucheck.store import open_capture
 
 TAKEN = ("store", "include", "exclude", "record_inputs", "level", "max_new_tokens",
-         "positions", "requests", "layers")
+         "positions", "requests", "layers", "logits")
 
 
 def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool,
