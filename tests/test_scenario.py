@@ -208,6 +208,29 @@ def test_a_reduced_precision_candidate_gets_a_control_by_default(tmp_path):
         load_scenario(write(tmp_path, plain + 'dither = 2\n'))
 
 
+def test_a_sign_off_control_is_two_dithered_runs_unless_it_says(tmp_path):
+    """issue 33: two controls measured 1 false alarm in 400 clean pairs and 91 % of x2 faults
+    named, one control 4 and 83 % (docs/control.md): the default control is two runs, seeds
+    s and s + 1; `runs` says otherwise; a plain, vLLM or given control is one run."""
+    base = 'prompts = ["a"]\nseed = 3\n[candidate]\ndtype = "bfloat16"\n'
+    c = load_scenario(write(tmp_path, base)).control
+    assert (c.runs, c.dither) == (2, 3) and c.label.endswith("+ dither seeds 3, 4")
+    assert load_scenario(write(tmp_path, base + '[control]\nruns = 1\n')).control.runs == 1
+    assert load_scenario(write(tmp_path, base + '[control]\nruns = 3\n')).control.runs == 3
+    assert load_scenario(write(tmp_path, base + '[control]\nplain = true\n')).control.runs == 1
+    for bad, why in (("runs = 4", "must be 1, 2 or 3"), ("runs = 0", "must be 1, 2 or 3"),
+                     ("plain = true\nruns = 2", "needs dithered control runs"),
+                     ('runner = "vllm"\nruns = 2', "needs dithered control runs")):
+        with pytest.raises(UserError, match=why):
+            load_scenario(write(tmp_path, base + f"[control]\n{bad}\n"))
+    given = tmp_path / "ctl.h5"
+    given.write_bytes(b"")
+    with pytest.raises(UserError, match="needs dithered control runs"):
+        load_scenario(write(tmp_path, base + f'[control]\ncapture = "{given}"\nruns = 2\n'))
+    assert load_scenario(write(tmp_path, base + f'[control]\ncapture = "{given}"\n')
+                         ).control.runs == 1
+
+
 def test_impact_needs_an_hf_candidate_and_a_full_reference():
     s = scenario_from_dict({"prompts": ["a"], "impact": {"include": ["model.layers.*"]}})
     assert s.impact is not None and s.impact.include == ("model.layers.*",) and s.impact.bisect == 1

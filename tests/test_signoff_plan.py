@@ -18,14 +18,21 @@ SCN = Scenario(None, "tiny-x", "", "@tiny", ("hi",), 2, RunSpec("reference"),
                RunSpec("candidate"))
 
 
+class _Calls(list):
+    specs: list
+
+
 @pytest.fixture
 def captured(monkeypatch):
     """capture_run replaced: each call's (role, out, tokens_from) is appended, nothing runs."""
-    calls = []
+    calls = _Calls()
 
-    def fake(scn, role, out, *, tokens_from=None, force=False, progress=None):
+    def fake(scn, role, out, *, tokens_from=None, force=False, progress=None, spec=None):
         calls.append((role, out, tokens_from))
+        calls_spec.append(spec)
         return out
+    calls_spec = []
+    calls.specs = calls_spec
     monkeypatch.setattr(run, "capture_run", fake)
     return calls
 
@@ -248,3 +255,22 @@ def test_capture_run_without_a_progress_callback(tmp_path, monkeypatch):
              replace(SCN, prompts=()), "candidate", out)
     _refused(3, "scenario tiny-x has no golden run", run.capture_run, SCN, "golden", out)
     assert len(seen) == 1
+
+
+def test_a_control_of_two_runs_is_captured_twice_with_the_next_seed(tmp_path, captured):
+    """[control] runs = 2: control.h5 (dither seed s) and control2.h5 (seed s + 1), each
+    teacher-forced on the reference; both are the verdict's controls."""
+    from accucheck.signoff.run import capture_runs, control_paths
+
+    scn = replace(SCN, control=RunSpec("control", dtype="bfloat16", dither=5, runs=2))
+    paths = capture_runs(scn, tmp_path / "c")
+    assert [(r, p.name) for r, p, _t in captured] == [
+        ("reference", "reference.h5"), ("candidate", "candidate.h5"),
+        ("control", "control.h5"), ("control", "control2.h5")]
+    assert [(s.dither, s.runs) for s in captured.specs[2:]] == [(5, 1), (6, 1)]
+    assert all(t == tmp_path / "c" / "reference.h5" for _r, _p, t in captured[1:])
+    assert [p.name for p in control_paths(paths)] == ["control.h5", "control2.h5"]
+    ref = write(tmp_path / "ref.h5", base())
+    out = capture_only(scn, "control", tmp_path / "o", ref=ref)
+    assert out.name == "control.h5" and [p.name for _r, p, _t in captured[-2:]] == \
+        ["control.h5", "control2.h5"]

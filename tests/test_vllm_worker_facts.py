@@ -63,6 +63,7 @@ def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_p
                                         "logprobs_mode=raw_logprobs, not the raw_logits") as e:
         _capture(tiny_dir, out)
     assert e.value.exit_code == 3 and "\n" not in str(e.value)
+    assert "--logits topk:K" in str(e.value)   # what this sampler can give
     assert not engine.started[-1].generated and not out.exists()
 
 

@@ -127,7 +127,9 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "runs": {"reference": run("reference", r.ref_path, r.ref_meta),
                  "candidate": run("candidate", r.cand_path, r.cand_meta),
                  "golden": run("golden", r.golden_path, None) if r.golden_path else None,
-                 "control": run("control", r.control_path, None) if r.control_path else None},
+                 "control": run("control", r.control_paths[0], None) if r.control_paths
+                 else None},
+        "control_runs": [_rel(p, out_dir) for p in r.control_paths],
         "thresholds": thr,
         "checks": [dict(c.__dict__) for c in r.checks],
         "failed_checks": [c.name for c in r.failed_checks],
@@ -390,8 +392,8 @@ def to_markdown(r: SignoffResult, doc: dict, pngs: dict, plot_note: str) -> str:
     out += [f"reference: {r.ref_path}  ", f"candidate: {r.cand_path}{_forced(r)}  "]
     if r.golden_path:
         out.append(f"golden: {r.golden_path}  ")
-    if r.control_path:
-        out.append(f"control: {r.control_path}  ")
+    if r.control_paths:
+        out.append(f"control: {', '.join(r.control_paths)}  ")
     out += ["", "## Checks", "", _md_table(*check_rows(r)), ""]
     env = [[("**" + e.field + "**") if e.differs else e.field,
             e.ref, e.cand, "differs" if e.differs else ""] for e in r.environment]
@@ -533,7 +535,8 @@ def _html_head(r: SignoffResult) -> list[str]:
     b.append('<p class="small mono">reference: ' + _e(r.ref_path) + "<br>candidate: "
              + _e(r.cand_path + _forced(r))
              + (("<br>golden: " + _e(r.golden_path)) if r.golden_path else "")
-             + (("<br>control: " + _e(r.control_path)) if r.control_path else "")
+             + (("<br>control: " + _e(", ".join(r.control_paths))) if r.control_paths
+                else "")
              + "</p>")
     return b
 

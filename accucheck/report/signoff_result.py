@@ -98,7 +98,7 @@ class SignoffResult:
     regression: Regression | None
     seconds: float
     out_dir: Path | None = None
-    control_path: str | None = None
+    control_paths: tuple[str, ...] = ()   # the control runs the verdict was judged against
     matrix: dict | None = None      # the scenario's configuration matrix (matrix.json)
     impact: dict | None = None      # [impact]: "line" (beside the culprit), "site" (the
                                     # culprit's patched site), "headline", "file" and

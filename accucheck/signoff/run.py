@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from accucheck.compare.tolerances import DEFAULT_AMPLIFICATION, DEFAULT_REL_L2, loosest_dtype
 from accucheck.compare.routing import flip_line
@@ -85,7 +85,7 @@ def signoff(scenario: Scenario | str | os.PathLike, *, ref: str | os.PathLike | 
     out = prepare_out_dir(out, force)
     paths = capture_runs(scn, out / "captures", force=force, progress=log)
     result = evaluate(scn, paths["reference"], paths["candidate"], paths.get("golden"),
-                      progress=log, started=t0, control=paths.get("control"))
+                      progress=log, started=t0, controls=control_paths(paths))
     if scn.matrix is not None:
         from accucheck.signoff.matrix import scenario_matrix
 
@@ -118,15 +118,19 @@ def capture_only(scn: Scenario, role: str, out_dir: str | os.PathLike, *,
                               "nothing to capture")
     s = with_captures(scn, reference=ref)
     out = Path(out_dir)
-    target = out / "captures" / f"{role}.h5"
     check_plan(s, out, force, captured=[role], report=False)
-    if target.parent.is_dir():
+    targets = [out / "captures" / name for name in capture_files(spec)]
+    if targets[0].parent.is_dir():
         from accucheck.paths import check_output_file
 
-        check_output_file(target, force)
+        for target in targets:
+            check_output_file(target, force)
     tokens_from = s.reference.capture if role != "reference" and spec.teacher_forcing else None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return capture_run(s, role, target, tokens_from=tokens_from, force=force, progress=progress)
+    targets[0].parent.mkdir(parents=True, exist_ok=True)
+    for i, target in enumerate(targets):  # a control's runs: one file each
+        capture_run(s, role, target, tokens_from=tokens_from, force=force, progress=progress,
+                    spec=nth_run(spec, i))
+    return targets[0]
 
 
 def _captured_here(scn: Scenario, role: str) -> bool:
@@ -143,7 +147,7 @@ def check_plan(scn: Scenario, out: Path, force: bool, *, captured: list[str], re
     from accucheck.store import open_capture
 
     check_output_dir(out)
-    outputs = [out / "captures" / f"{r}.h5" for r in captured]
+    outputs = [out / "captures" / name for r in captured for name in capture_files(scn.run(r))]
     if report:
         outputs += [out / n for n in REPORT_FILES]
     inputs = {f"--{_ROLE_FLAG[r]}": scn.run(r).capture for r in ROLES
@@ -259,16 +263,35 @@ def capture_runs(scn: Scenario, cap_dir: Path, *, force: bool = False,
         cap_dir.mkdir(parents=True, exist_ok=True)
         tokens_from = out.get("reference") if role != "reference" and spec.teacher_forcing \
             else None
-        out[role] = capture_run(scn, role, cap_dir / f"{role}.h5", tokens_from=tokens_from,
-                                force=force, progress=progress)
+        for i, name in enumerate(capture_files(spec)):  # a control's runs: control2.h5, ...
+            out[Path(name).stem] = capture_run(scn, role, cap_dir / name,
+                                               tokens_from=tokens_from, force=force,
+                                               progress=progress, spec=nth_run(spec, i))
     return out
 
 
+def capture_files(spec) -> list[str]:
+    """The capture files of a run made here: ROLE.h5; a control of N runs also control2.h5
+    ... controlN.h5."""
+    return [f"{spec.role}.h5"] + [f"{spec.role}{i}.h5" for i in range(2, spec.runs + 1)]
+
+
+def nth_run(spec, i: int):
+    """A control's i-th run (from 0): one run, dithered with its seed + i."""
+    return spec if spec.runs == 1 else replace(spec, dither=spec.dither + i, runs=1)
+
+
+def control_paths(paths: dict[str, Path]) -> list[Path]:
+    """The control captures of `capture_runs`' answer, in order."""
+    return [paths[k] for k in ("control", "control2", "control3") if k in paths]
+
+
 def capture_run(scn: Scenario, role: str, out: Path, *, tokens_from: Path | None = None,
-                force: bool = False, progress: Progress | None = None) -> Path:
-    """Capture one run of the scenario on this machine (hf or vllm runner)."""
+                force: bool = False, progress: Progress | None = None, spec=None) -> Path:
+    """Capture one run of the scenario on this machine (hf or vllm runner); `spec`: that run
+    when it is not the role's own (a control's second run)."""
     log = progress or (lambda msg: None)
-    spec = scn.run(role)
+    spec = spec or scn.run(role)
     if spec is None:
         raise UserError(f"scenario {scn.name} has no {role} run")
     if not scn.prompts:
@@ -371,9 +394,9 @@ def run_impact(scn: Scenario, paths: dict[str, Path], analysis: Analysis, log: P
 
 def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
              golden: str | os.PathLike | None = None, *, progress: Progress | None = None,
-             started: float | None = None, control: str | os.PathLike | None = None
+             started: float | None = None, controls: Sequence[str | os.PathLike] = ()
              ) -> SignoffResult:
-    """Diff `cand` against `ref` (with `golden` as referee, `control` as the noise it is
+    """Diff `cand` against `ref` (with `golden` as referee, `controls` as the noise it is
     judged against) and judge it by the scenario."""
     from accucheck.store import open_capture
 
@@ -381,10 +404,10 @@ def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
     t0 = started if started is not None else time.monotonic()
     thr = scn.thresholds
     log(f"signoff: diff {cand} against {ref}" + (f" (golden {golden})" if golden else "")
-        + (f" (control {control})" if control else ""))
+        + (f" (control {', '.join(map(str, controls))})" if controls else ""))
     a = analyze(ref, cand, golden, tolerances=thr.tolerance_table(),
                 amplification=thr.amplification or DEFAULT_AMPLIFICATION, progress=log,
-                controls=[control] if control else ())
+                controls=list(controls))
     with open_capture(ref) as r, open_capture(cand) as c:
         ref_meta, cand_meta = r.meta, c.meta
         tokens = token_stats(a, r.requests, c.requests)
@@ -397,7 +420,7 @@ def evaluate(scn: Scenario, ref: str | os.PathLike, cand: str | os.PathLike,
     return SignoffResult(scn, a, str(ref), str(cand), str(golden) if golden else None,
                          ref_meta, cand_meta, metrics, checks,
                          environment_rows(ref_meta, cand_meta), regression,
-                         time.monotonic() - t0, control_path=str(control) if control else None)
+                         time.monotonic() - t0, control_paths=tuple(map(str, controls)))
 
 
 # ----------------------------------------------------------------------------- measuring

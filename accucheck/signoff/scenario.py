@@ -114,6 +114,10 @@ MODES = ("eager", "graph")
 ROLES = ("reference", "candidate", "golden", "control")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 REDUCED = ("float16", "bfloat16")  # a candidate in these gets a [control] run by default
+# control runs a sign-off makes (dithered with the seed, seed + 1, ...): two controls measured
+# 1 false alarm in 400 clean pairs and 91 % of x2 faults named, one control 4 and 83 %
+# (docs/control.md, emulated devices, stats store)
+CONTROL_RUNS = 2
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
                   "half": "float16", "double": "float64", "float": "float32"}
 
@@ -153,6 +157,7 @@ class RunSpec:
     positions: str = "all"            # what is recorded (capture --positions / --requests /
     requests: tuple[int, ...] = ()    # --layers): a control takes the reference's, the
     layers: str | None = None         # default golden the run defaults
+    runs: int = 1                     # a control: how many, dithered with seed, seed + 1, ...
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -164,7 +169,9 @@ class RunSpec:
         if self.capture is not None:
             return f"capture {self.capture.name}"
         s = f"{self.device} {self.dtype} {self.mode} ({self.runner})"
-        s += f" + dither seed {self.dither}" if self.dither is not None else ""
+        if self.dither is not None:
+            s += f" + dither seed {self.dither}" if self.runs == 1 else \
+                " + dither seeds " + ", ".join(str(self.dither + i) for i in range(self.runs))
         return s + (f" + planted fault {self.fault}" if self.fault else "")
 
 
@@ -399,7 +406,7 @@ def _runs(top: _Reader, data: dict, base: Path, src: str) -> dict[str, RunSpec |
         # here: a [control] table asks for it)
         runs["control"] = _make_run("control", {
             **control_defaults(defaults, data, runs), "teacher_forcing": True,
-            "routing_replay": runs["candidate"].routing_replay}, {}, src)
+            "routing_replay": runs["candidate"].routing_replay, "runs": CONTROL_RUNS}, {}, src)
     return runs
 
 
@@ -410,8 +417,8 @@ def _role_run(role: str, top: _Reader, data: dict, defaults: dict,
     t = top.get(role, dict)
     r = _Reader(src, t, f"{role}.")
     r.check_known(_RUN_KEYS | _RUN_ONLY_KEYS | ({"enabled"} if role in ("golden", "control")
-                                               else set()) | ({"plain"} if role == "control"
-                                                              else set()))
+                                               else set()) | ({"plain", "runs"}
+                                                              if role == "control" else set()))
     if role in ("golden", "control") and not r.get("enabled", bool, True):
         if set(t) != {"enabled"}:
             raise r.fail("enabled", "= false turns the referee off: give no other key")
@@ -447,7 +454,25 @@ def _role_run(role: str, top: _Reader, data: dict, defaults: dict,
         if "dither" in t:
             raise r.fail("plain", "= true is the control without a dither: give no dither")
         extra["dither"] = None  # the CPU's own rounding (capture --plain-control)
+    if role == "control":
+        extra["runs"] = _control_runs(r, t, extra)
     return _make_run(role, defaults, extra, src)
+
+
+def _control_runs(r: "_Reader", t: dict, extra: dict) -> int:
+    """`[control] runs`: CONTROL_RUNS by default; one for a given capture, a plain control or
+    a vLLM one (undithered: a second run is the same run)."""
+    one = extra.get("capture") is not None or extra.get("dither") is None \
+        or extra.get("runner", "hf") != "hf"
+    if "runs" not in t:
+        return 1 if one else CONTROL_RUNS
+    n = r.count("runs")
+    if not 1 <= n <= 3:
+        raise r.fail("runs", f"must be 1, 2 or 3, got {n}")
+    if n > 1 and one:
+        raise r.fail("runs", "> 1 needs dithered control runs made here (a given capture, or "
+                             "plain = true, is one run)")
+    return n
 
 
 def _matrix(r: _Reader, ref: RunSpec, max_new_tokens: int) -> MatrixSpec:
@@ -642,7 +667,7 @@ def with_captures(s: Scenario, **captures: str | Path | None) -> Scenario:
         if not p.is_file():
             raise UserError(f"--{_FLAG[role]} {path} does not exist")
         run = s.run(role) or RunSpec(role=role)
-        out = replace(out, **{role: replace(run, capture=p, fault=None)})
+        out = replace(out, **{role: replace(run, capture=p, fault=None, runs=1)})
     return out
 
 

@@ -61,6 +61,12 @@ One capture = one HDF5 file, schema version 1. Everything below can be read with
                             with --compression gzip / lzf). bfloat16 is stored bit-exact as uint16 with attribute
                             dtype = "bfloat16": `(u16.astype(uint32) << 16).view(float32)`
                             gives the exact values.
+    top-k logits            (capture --logits topk:K, meta options.logits "topk:K"; store.
+                            logits_topk): the `logits` record's slot "0" holds [.., positions,
+                            K + 1] float32 log-probabilities (column 0: the token that follows
+                            the position; then the K largest, descending) and slot "1" their
+                            int64 token ids (-1 / NaN where none follows); both keep their
+                            tensors in the stats store too
     /requests/<i>/prompt_ids     int64 token ids of prompt i
     /requests/<i>/generated_ids  int64 token ids generated (or forced) at steps 1..N
                                  (attribute `prompt`: the prompt text when known)

@@ -192,7 +192,9 @@ def refuse_sampler_mode(infos: dict[int, dict], want: str = WANTED_LOGPROBS_MODE
             raise UserError(f"rank {rank}'s sampler {sampler.get('class')} computes "
                             f"logprobs_mode={mode}, not the {want} the capture asked the engine "
                             f"for (vllm-ascend's AscendSampler ignores the engine's "
-                            f"logprobs_mode): its logits would not be the model's; refused")
+                            f"logprobs_mode): its logits would not be the model's; refused"
+                            + ("; capture with --logits topk:K, which asks for raw_logprobs"
+                               if mode == "raw_logprobs" else ""))
 
 
 def workers_meta(infos: dict[int, dict]) -> dict:
