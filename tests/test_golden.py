@@ -62,7 +62,7 @@ def test_schema_matches_golden(name):
         assert bool(f.attrs["complete"])
         required = set(store._INDEX_COLUMNS) | {"stats"}
         # optional columns (accucheck.store): extra, and sample (stats-mode values, not a string column)
-        optional = set(store._OPTIONAL_COLUMNS) | {"sample"}
+        optional = set(store._OPTIONAL_COLUMNS) | {"sample", "sketch"}
         have = set(f["index"])
         assert required <= have <= required | optional, (
             f"{path}: index columns {sorted(have)}, accucheck expects {sorted(required)} "

@@ -142,13 +142,14 @@ def test_a_bad_logits_flag_is_a_usage_error(bad, tmp_path, capsys):
     assert not (tmp_path / "x.h5").exists()
 
 
-def test_vllm_graph_top_k_needs_the_observer_check_off():
-    from accucheck.capture.options import CaptureOptions, check_runner
+def test_the_default_is_top_k_in_the_stats_store_and_full_in_the_full_store():
+    from accucheck.capture.options import DEFAULT_TOPK, CaptureOptions, check_runner
     from accucheck.errors import UserError
 
-    with pytest.raises(UserError, match="no-observer-check"):
-        check_runner(CaptureOptions(mode="graph", logits="topk:4"), "vllm")
-    check_runner(CaptureOptions(mode="graph", logits="topk:4", observer_check=False), "vllm")
+    assert CaptureOptions().logits == f"topk:{DEFAULT_TOPK}"
+    assert CaptureOptions(store="full").logits == "full"
+    assert CaptureOptions(store="full", logits="topk:5").logits == "topk:5"
+    assert CaptureOptions(logits="full").meta().get("logits") is None
     with pytest.raises(UserError, match="raw_logprobs"):
         check_runner(CaptureOptions(logits="topk:4"), "vllm", {"logprobs_mode": "raw_logits"})
 

@@ -61,15 +61,37 @@ def test_a_sampler_that_ignores_logprobs_mode_is_refused(engine, tiny_dir, tmp_p
     out = tmp_path / "x.h5"
     with pytest.raises(UserError, match="rank 0's sampler AscendSampler computes "
                                         "logprobs_mode=raw_logprobs, not the raw_logits") as e:
-        _capture(tiny_dir, out)
+        _capture(tiny_dir, out, logits="full")
     assert e.value.exit_code == 3 and "\n" not in str(e.value)
     assert "--logits topk:K" in str(e.value)   # what this sampler can give
     assert not engine.started[-1].generated and not out.exists()
 
 
 def test_a_sampler_in_raw_logits_mode_is_recorded(engine, tiny_dir, tmp_path):
-    meta = _meta(_capture(tiny_dir, tmp_path / "x.h5"))
+    meta = _meta(_capture(tiny_dir, tmp_path / "x.h5", logits="full"))
     assert meta["workers"]["0"]["sampler"] == {"class": "Sampler", "logprobs_mode": "raw_logits"}
+
+
+def test_the_ascend_sampler_gives_the_default_top_k_logits(engine, tiny_dir, tmp_path,
+                                                            monkeypatch):
+    """The default stats capture keeps top-k log-probabilities (--logits auto), which is what
+    vllm-ascend's AscendSampler computes whatever the engine asks: not refused, and the file
+    holds each position's following token and top-k as the engine returned them."""
+    from accucheck.store import open_capture
+
+    monkeypatch.setattr(engine, "make_runner", staticmethod(lambda: fk.Runner(
+        fk.MoEModel("vllm"), sampler=fk.AscendSampler("raw_logprobs"))))
+    out = _capture(tiny_dir, tmp_path / "x.h5")
+    with open_capture(out) as c:
+        assert c.meta["workers"]["0"]["sampler"]["logprobs_mode"] == "raw_logprobs"
+        assert c.meta["options"]["logits"] == "topk:32"
+        q = c.requests[0]
+        values = c.read("r0.s1:logits#0:out.0")
+        ids = c.read("r0.s1:logits#0:out.1")
+        assert values.shape == ids.shape == (1, 1, 33)
+        first = c.read("r0.s0:logits#0:out.1")[0, :, 0].tolist()
+        assert first == list(q.prompt_ids[1:]) + [int(q.generated_ids[0])]
+        assert np.all(np.diff(values[0, 0, 1:]) <= 0) and np.all(values[0, 0, 1:] <= 0)
 
 
 def test_the_front_end_asks_the_workers_not_the_device(engine, tiny_dir, tmp_path,

@@ -300,6 +300,24 @@ def _flat(rows: list[np.ndarray | None]):
                            end_indices=ends)
 
 
+def _flat_topk(rows: list[np.ndarray | None], follow: list[int], k: int):
+    """vLLM's logprobs=k layout: per position the following token's log-probability, then the
+    k largest (v1 Sampler.gather_logprobs), as FlatLogprobs."""
+    ids, vals, starts, ends, n = [], [], [], [], 0
+    for row, f in zip(rows, follow):
+        starts.append(n)
+        if row is not None:
+            x = row.astype(np.float64)
+            lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+            sel = [int(f)] + [int(t) for t in np.argsort(-lp, kind="stable")[:k]]
+            ids += sel
+            vals += [float(lp[t]) for t in sel]
+            n += len(sel)
+        ends.append(n)
+    return SimpleNamespace(token_ids=ids, logprobs=vals, start_indices=starts,
+                           end_indices=ends)
+
+
 class FakeLLM:
     """`vllm.LLM` with one in-process worker: the runner made by `make_runner()` with the
     plugin attached (when the capture's environment asks), raw logits drawn at random."""
@@ -312,6 +330,8 @@ class FakeLLM:
 
         self.kwargs = kwargs
         self.runner = FakeLLM.make_runner()
+        if type(self.runner.sampler) is Sampler:  # vLLM's own follows the engine's mode
+            self.runner.sampler.logprobs_mode = kwargs.get("logprobs_mode", "raw_logits")
         cfg = plugin.PluginConfig.from_env()
         if cfg is not None:
             self.runner._accucheck = plugin.Collector(self.runner, cfg)
@@ -347,6 +367,12 @@ class FakeLLM:
                 sampled[rid].append(row)
                 tokens[rid].append(int(row.argmax()))
             new = {rid: [tokens[rid][-1]] for rid, _i, _p in reqs}
+        k = params[0].logprobs
+        if k is not None and k > 0:   # capture --logits topk:K
+            return [SimpleNamespace(
+                prompt_token_ids=p, prompt_logprobs=_flat_topk(prompt_rows[rid], p, k),
+                outputs=[SimpleNamespace(token_ids=tokens[rid], logprobs=_flat_topk(
+                    sampled[rid], tokens[rid], k))]) for rid, _i, p in reqs]
         return [SimpleNamespace(prompt_token_ids=p, prompt_logprobs=_flat(prompt_rows[rid]),
                                 outputs=[SimpleNamespace(token_ids=tokens[rid],
                                                          logprobs=_flat(sampled[rid]))])

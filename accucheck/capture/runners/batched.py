@@ -11,7 +11,7 @@ Imports torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -82,7 +82,8 @@ def capture_rows(model: nn.Module, rows: Sequence[Sequence[int]], out: str | Pat
                  pad_id: int = 0, label: str = "") -> RowRun:
     """Run `rows` as one batch (`batched_run`) with module-level records of row 0 written to
     `out` (request 0; the fillers are not recorded). `opts`: store, include / exclude, seed,
-    device, force; eager only. `label` goes into meta "matrix_run"."""
+    device, force; eager only; the logits are full ones. `label` goes into meta "matrix_run"."""
+    opts = replace(opts, logits="full")  # what this writer records, whatever the store
     check_output_path(out, opts.force)
     spec = dev.parse_device(opts.device)
     device = next(model.parameters()).device

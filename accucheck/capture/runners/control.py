@@ -51,6 +51,7 @@ def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool,
     for k in ("include", "exclude", "requests"):
         if k in fields:
             fields[k] = tuple(fields[k] or ())
+    fields.setdefault("logits", "full")  # a capture without it holds full logits
     steps = {len(q.generated_ids) for q in requests}
     fields["max_new_tokens"] = min(steps)
     dtype = opts.dtype if dtype_given else (meta.get("dtype") or opts.dtype)

@@ -139,16 +139,16 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             return _sampling_params(SamplingParams, plugin, len(prompt_ids), n_new, follow,
                                     prompt_logits(opts), parse_logits(opts.logits))
 
-        check, untapped_workers = None, None
+        check, untapped_workers, untapped_ids = None, None, {}
         if opts.mode == "graph" and opts.observer_check:
             # the untapped engine first (accucheck.capture.record.graph): its tokens and logits
             # are the run's; the tapped engine follows its tokens
             check = ObserverCheck("selection")
-            forced, untapped_workers = _untapped_run(
+            forced, untapped_workers, untapped_ids = _untapped_run(
                 LLM, _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                     forced is not None),
                 prompt_ids, params_for(forced), n_new, int(hf_config.vocab_size), plugin.ENV,
-                check)
+                check, parse_logits(opts.logits))
             dev.seed_everything(opts.seed, spec)
         kwargs = _engine_kwargs(model_dir, dtype, opts, prompt_ids, engine_kwargs, plugin,
                                 forced is not None)
@@ -177,7 +177,7 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
                                          reader.data)
                     cov = _write(writer, merged, outputs, prompt_ids, prompts, forced, n_new,
                                  int(hf_config.vocab_size), sorted(got), reader.data, check,
-                                 opts=opts)
+                                 opts=opts, untapped_ids=untapped_ids)
                     timing["merge_write_s"] = time.monotonic() - t0
                 writer.update_meta(tensor_parallel=_tp_meta(tp, merged, infos),
                                    vllm_timing={k: round(v, 3) for k, v in timing.items()},
@@ -636,12 +636,14 @@ def _meta_of(model_dir: Path, hf_config, spec, dtype, opts, seeded, determinism,
 
 # -- writing ----------------------------------------------------------------------------------
 def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int, env: str,
-                  check: ObserverCheck) -> tuple[list[tuple[list[int], list[int]]], list[dict]]:
+                  check: ObserverCheck, topk: int | None = None
+                  ) -> tuple[list[tuple[list[int], list[int]]], list[dict], dict]:
     """Graph mode's observer check: one engine without the accucheck collector (its variable
     `env` unset while the engine loads the model), its logits per step kept in `check` (and
-    its time in `check.seconds`); returns (prompt ids, generated ids) per request, the tokens
-    the tapped engine is forced to, and its workers' answers to accucheck_collect once started
-    (their fusion passes: vllm_facts.fusion_meta)."""
+    its time in `check.seconds`; with `topk`, its top-k log-probabilities, their token ids in
+    the third answer by (request, step)); returns (prompt ids, generated ids) per request, the
+    tokens the tapped engine is forced to, and its workers' answers to accucheck_collect once
+    started (their fusion passes: vllm_facts.fusion_meta)."""
     t0 = time.monotonic()
     saved = os.environ.pop(env, None)
     try:
@@ -658,14 +660,20 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         shutdown(llm)
     import torch
 
-    tokens = []
+    tokens, top_ids = [], {}
     for r, (o, ids) in enumerate(zip(outputs, prompt_ids)):
         with_prompt = params[r].prompt_logprobs is not None
-        for step, lg in enumerate(step_logits(o, len(ids), n_new, vocab, with_prompt)):
-            check.keep(r, step, torch.from_numpy(lg))
+        if topk:
+            for step, (values, at) in enumerate(step_topk(o, len(ids), n_new, topk,
+                                                          with_prompt)):
+                check.keep(r, step, torch.from_numpy(values))
+                top_ids[(r, step)] = at
+        else:
+            for step, lg in enumerate(step_logits(o, len(ids), n_new, vocab, with_prompt)):
+                check.keep(r, step, torch.from_numpy(lg))
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
     check.seconds = time.monotonic() - t0
-    return [(ids, t) for ids, t in zip(prompt_ids, tokens)], workers
+    return [(ids, t) for ids, t in zip(prompt_ids, tokens)], workers, top_ids
 
 
 def _salvage(writer: CaptureWriter, reader: SpillReader, kinds: dict, tp: int, prompt_ids,
@@ -695,11 +703,14 @@ def _salvage(writer: CaptureWriter, reader: SpillReader, kinds: dict, tp: int, p
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,
            n_new: int, vocab: int, ranks: list[int], load,
-           check: ObserverCheck | None = None, *, opts: CaptureOptions) -> dict:
+           check: ObserverCheck | None = None, *, opts: CaptureOptions,
+           untapped_ids: dict | None = None) -> dict:
     """Write the merged records (their tensors from `load(record)`, one at a time) and the
     logits per request and step, as far as the selection records them (--positions,
     --requests; the workers applied it to their records); returns the coverage verdict
-    (accucheck.coverage) of what the ranks recorded."""
+    (accucheck.coverage) of what the ranks recorded. Graph mode's observer check: the
+    untapped engine's logits are written (its top-k ids `untapped_ids` with --logits
+    topk:K), the tapped ones measured against them."""
     import torch
 
     from accucheck.capture.record.recorder import stats_rows
@@ -724,8 +735,11 @@ def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, 
             raise RuntimeError(f"request {r}: teacher forcing did not hold "
                                f"({tokens[:n_new]} vs {forced[r][1]})")
         if (k := parse_logits(opts.logits)) is not None:  # capture --logits topk:K
-            _write_topk(writer, r, step_topk(o, len(ids), n_new, k, prompt_logits(opts)),
-                        by_step, load, opts, last)
+            steps = step_topk(o, len(ids), n_new, k, prompt_logits(opts))
+            if check is not None:  # graph mode: the untapped engine's top-k
+                steps = [(check.compare(r, step, torch.from_numpy(v)).numpy(),
+                          untapped_ids[(r, step)]) for step, (v, _i) in enumerate(steps)]
+            _write_topk(writer, r, steps, by_step, load, opts, last)
             writer.set_request(r, ids, tokens[:n_new],
                                prompts[r] if isinstance(prompts[r], str) else None)
             writer.flush()
