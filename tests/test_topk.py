@@ -123,8 +123,7 @@ def test_the_coarse_kl_is_a_lower_bound_and_the_flip_exact():
     for ref, cand in ((TopkSide(va[0].numpy(), ia[0].numpy()),
                        TopkSide(vb[0].numpy(), ib[0].numpy())),
                       (TopkSide(a, None), TopkSide(vb[0].numpy(), ib[0].numpy()))):
-        _, pos, fewest = compare_topk(ref, cand, "float32", "float32", rtol=None, atol=None)
-        assert fewest >= 1
+        _, pos = compare_topk(ref, cand, "float32", "float32", rtol=None, atol=None)
         for i, p in enumerate(pos):
             assert p.top1_ref == int(a[i].argmax()) and p.top1_cand == int(b[i].argmax())
             top2 = np.sort(a[i])[-2:]

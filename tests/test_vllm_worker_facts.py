@@ -320,6 +320,9 @@ def test_graph_mode_meta_says_the_taps_may_undo_fusions(engine, tiny_dir, tmp_pa
     assert fp["note"].startswith("2 fusion pass(es) on: the taps add readers")
     assert "meta observer_effect measures" in fp["note"]
     assert meta["observer_effect"]["bitwise"]
+    # the stats store's top-k logits (--logits auto): the untapped engine's, the tapped ones
+    # measured against them at every step
+    assert meta["options"]["logits"] == "topk:32" and len(meta["observer_effect"]["steps"]) == 4
 
 
 def test_eager_meta_has_no_fusion_note(engine, tiny_dir, tmp_path):

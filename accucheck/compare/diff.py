@@ -489,7 +489,7 @@ class _Differ:
         (va, ia), (vb, ib) = sides
         rows = min(int(np.prod(va.shape[:-1])), int(np.prod(vb.shape[:-1])))
         cut = lambda x: None if x is None else x.reshape(-1, x.shape[-1])[-rows:]  # noqa: E731
-        metrics, positions, _ = compare_topk(
+        metrics, positions = compare_topk(
             TopkSide(cut(va), cut(ia)), TopkSide(cut(vb), cut(ib)), ra.dtype, ca.dtype,
             rtol=tol.rtol, atol=tol.atol)
         return RecordDiff(basis="tensor", metrics=metrics, **base), \

@@ -16,14 +16,17 @@ ids, so there every token the top-k side holds is compared. Per position:
 - the logit noise over the tokens both hold (compare.metrics.logit_noise).
 
 The record's metrics are measured on the values both hold, up to a shift per position, as
-full logits are. Imports numpy and accucheck.compare.metrics / results / store only.
+full logits are. Imports numpy and accucheck.compare.metrics / results, keys, store only.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 from accucheck.compare.metrics import MetricAccumulator, TensorMetrics, logit_noise
 from accucheck.compare.results import LogitsPosition
+from accucheck.keys import RecordKey
 from accucheck.store import LOGITS_IDS_SLOT
 
 
@@ -65,9 +68,8 @@ class TopkSide:
         return out
 
 
-def ids_key(key):
+def ids_key(key: RecordKey) -> RecordKey:
     """The key of a top-k logits record's token ids (slot "1") beside its values (slot "0")."""
-    from dataclasses import replace
     return replace(key, slot=LOGITS_IDS_SLOT)
 
 
@@ -99,9 +101,9 @@ def coarse_kl(va: np.ndarray, vb: np.ndarray) -> float:
 
 def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str, *,
                  rtol: float | None, atol: float | None
-                 ) -> tuple[TensorMetrics, list[LogitsPosition], int]:
-    """The record's metrics on the values both sides hold (up to a shift per position), each
-    position's LogitsPosition, and the smallest number of tokens compared at a position."""
+                 ) -> tuple[TensorMetrics, list[LogitsPosition]]:
+    """The record's metrics on the values both sides hold (up to a shift per position), and
+    each position's LogitsPosition."""
     if ref.rows != cand.rows:
         raise ValueError(f"top-k logits of {ref.rows} and {cand.rows} positions")
     width = max(ref.values.shape[-1] if ref.ids is not None else 0,
@@ -111,11 +113,10 @@ def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str,
     scale = float(np.std(spread)) if spread.size > 1 else None
     acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol,
                             scale=scale or None, row=width)
-    positions, fewest = [], None
+    positions = []
     for i, (ids, va, vb) in enumerate(rows):
         if va.size:
             acc.add(va, vb, i * width + np.arange(va.size))
-        fewest = va.size if fewest is None else min(fewest, va.size)
         (ta, two), (tb, _) = ref.top(i, 5), cand.top(i, 5)
         k5 = min(len(ta), len(tb), 5)
         t5 = len(set(ta[:k5].tolist()) & set(tb[:k5].tolist())) / k5 if k5 else 0.0
@@ -124,4 +125,4 @@ def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str,
         positions.append(LogitsPosition(i, coarse_kl(va, vb) if va.size else 0.0,
                                         int(ta[0]) if len(ta) else -1,
                                         int(tb[0]) if len(tb) else -1, t5, margin, noise))
-    return acc.result(), positions, fewest or 0
+    return acc.result(), positions
