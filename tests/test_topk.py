@@ -10,7 +10,8 @@ import torch
 from accucheck.capture.record.selection import topk_logprobs
 from accucheck.cli import main
 from accucheck.compare.diff import diff_captures
-from accucheck.compare.topk import TopkSide, coarse_kl, compare_topk
+from accucheck.compare import topk
+from accucheck.compare.topk import TopkSide, compare_topk
 from accucheck.store import logits_topk, open_capture
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Accuracy of large models"]
@@ -130,7 +131,30 @@ def test_the_coarse_kl_is_a_lower_bound_and_the_flip_exact():
             assert p.margin == pytest.approx(top2[1] - top2[0], abs=1e-4)
             assert 0 <= p.kl <= full_kl[i] + 1e-6
     assert sum(p.top1_ref != p.top1_cand for p in pos) > 0   # the case has flips
-    assert coarse_kl(np.log([0.5, 0.3]), np.log([0.5, 0.3])) == pytest.approx(0, abs=1e-12)
+    # every token held: the KL is the full one; the same side twice: nothing apart
+    va, ia = topk_logprobs(torch.from_numpy(a)[None], 300, follow[None])
+    vb, ib = topk_logprobs(torch.from_numpy(b)[None], 300, follow[None])
+    _, pos = compare_topk(TopkSide(va[0].numpy(), ia[0].numpy()),
+                          TopkSide(vb[0].numpy(), ib[0].numpy()), "float32", "float32",
+                          rtol=None, atol=None)
+    np.testing.assert_allclose([p.kl for p in pos], full_kl, rtol=1e-4, atol=1e-6)
+    same, pos = compare_topk(TopkSide(va[0].numpy(), ia[0].numpy()),
+                             TopkSide(va[0].numpy(), ia[0].numpy()), "float32", "float32",
+                             rtol=None, atol=None)
+    assert same.identical and all(p.kl == 0 and p.noise == 0 for p in pos)
+
+
+def test_blocks_of_a_full_side_give_the_whole_answer(monkeypatch):
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(37, 500)) * 2
+    b = a + rng.normal(size=a.shape) * 0.3
+    vb, ib = topk_logprobs(torch.from_numpy(b)[None], 8, torch.zeros(1, 37, dtype=torch.long))
+    sides = (TopkSide(a, None), TopkSide(vb[0].numpy(), ib[0].numpy()))
+    whole = compare_topk(*sides, "float32", "float32", rtol=None, atol=None)
+    monkeypatch.setattr(topk, "BLOCK_ELEMS", 3 * 500)   # 3 positions a block
+    blocks = compare_topk(*sides, "float32", "float32", rtol=None, atol=None)
+    assert blocks[1] == whole[1]
+    assert blocks[0].rel_l2 == pytest.approx(whole[0].rel_l2, rel=1e-12)
 
 
 @pytest.mark.parametrize("bad", ["topk:0", "topk:x", "top:5", "topk:100000"])

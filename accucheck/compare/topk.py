@@ -9,14 +9,16 @@ ids, so there every token the top-k side holds is compared. Per position:
 - each side's top-1: its largest value (exact: the top-1 is in every top-k);
 - the reference's top-1 / top-2 margin (exact for K >= 2; log-probabilities differ from
   logits by a shift, so margins are the same);
-- KL(ref || cand) over the tokens both hold plus one bucket for the rest of the vocabulary
+- KL(ref || cand) over the tokens both hold plus one outcome for the rest of the vocabulary
   (each side's mass outside them): the KL of a coarser partition, never more than the full
   KL (so a top-k diff can miss tail divergence, never invent it);
 - top-5 overlap of the two sides' top min(5, K);
-- the logit noise over the tokens both hold (compare.metrics.logit_noise).
+- the logit noise (compare.metrics.logit_noise: the spread of cand - ref, its mean removed)
+  over the tokens both hold: the top of the distribution, where logit_noise also looks.
 
 The record's metrics are measured on the values both hold, up to a shift per position, as
-full logits are. Imports numpy and accucheck.compare.metrics / results, keys, store only.
+full logits are. Vectorised over positions, in blocks of at most BLOCK_ELEMS values of a full
+side. Imports numpy and accucheck.compare.metrics / results, keys, store only.
 """
 from __future__ import annotations
 
@@ -24,48 +26,39 @@ from dataclasses import replace
 
 import numpy as np
 
-from accucheck.compare.metrics import MetricAccumulator, TensorMetrics, logit_noise
+from accucheck.compare.metrics import MetricAccumulator, TensorMetrics
 from accucheck.compare.results import LogitsPosition
 from accucheck.keys import RecordKey
 from accucheck.store import LOGITS_IDS_SLOT
 
+BLOCK_ELEMS = 1 << 22   # values of a full side turned into log-probabilities at a time
+
 
 class TopkSide:
-    """One side's logits as (values [rows, width], ids [rows, width] or None: full raw
-    logits, every id)."""
+    """One side's logits: values [rows, width] and ids [rows, width] (top-k log-probabilities),
+    or ids None (full raw logits, every id)."""
 
     def __init__(self, values: np.ndarray, ids: np.ndarray | None):
         width = values.shape[-1]
-        self.values = np.asarray(values, dtype=np.float64).reshape(-1, width)
-        if ids is None:  # full raw logits -> log-probabilities
-            v = self.values
-            m = np.max(v, axis=-1, keepdims=True)
-            self.values = v - (m + np.log(np.sum(np.exp(v - m), axis=-1, keepdims=True)))
-            self.ids = None
-        else:
-            self.ids = np.asarray(ids, dtype=np.int64).reshape(-1, width)
+        self.values = np.asarray(values).reshape(-1, width)
+        self.ids = None if ids is None else np.asarray(ids, dtype=np.int64).reshape(-1, width)
 
     @property
     def rows(self) -> int:
         return self.values.shape[0]
 
-    def top(self, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row i's k largest (token ids, values), largest first."""
+    def block(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows lo..hi as float64: log-probabilities (a full side's log_softmax) and ids
+        with the entries not to use marked -1 (NaN values; column 0 where it repeats a
+        top-k id)."""
+        v = self.values[lo:hi].astype(np.float64)
         if self.ids is None:
-            v = self.values[i]
-            order = np.argsort(-np.where(np.isfinite(v), v, -np.inf), kind="stable")[:k]
-            return order, v[order]
-        d = self.at(i)
-        ids = sorted(d, key=lambda t: -d[t])[:k]
-        return np.asarray(ids, dtype=np.int64), np.asarray([d[t] for t in ids])
-
-    def at(self, i: int) -> dict[int, float]:
-        """Row i's finite values by token id (top-k sides only)."""
-        out = {}
-        for t, v in zip(self.ids[i], self.values[i]):
-            if t >= 0 and np.isfinite(v):
-                out[int(t)] = float(v)
-        return out
+            m = np.max(v, axis=-1, keepdims=True)
+            return v - (m + np.log(np.sum(np.exp(v - m), axis=-1, keepdims=True))), None
+        ids = self.ids[lo:hi].copy()
+        ids[~np.isfinite(v)] = -1
+        ids[(ids[:, :1] == ids[:, 1:]).any(axis=1), 0] = -1
+        return v, ids
 
 
 def ids_key(key: RecordKey) -> RecordKey:
@@ -73,30 +66,32 @@ def ids_key(key: RecordKey) -> RecordKey:
     return replace(key, slot=LOGITS_IDS_SLOT)
 
 
-def common(ref: TopkSide, cand: TopkSide, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row i: (token ids, ref values, cand values) at the tokens both sides hold."""
-    if ref.ids is None and cand.ids is None:
-        raise ValueError("top-k comparison of two full sides")
-    a = ref.at(i) if ref.ids is not None else None
-    b = cand.at(i) if cand.ids is not None else None
-    ids = sorted(set(a) & set(b)) if a is not None and b is not None \
-        else sorted(a if a is not None else b)
-    ids_arr = np.asarray(ids, dtype=np.int64)
-    va = np.asarray([a[t] for t in ids]) if a is not None else ref.values[i, ids_arr]
-    vb = np.asarray([b[t] for t in ids]) if b is not None else cand.values[i, ids_arr]
-    keep = np.isfinite(va) & np.isfinite(vb)
-    return ids_arr[keep], va[keep], vb[keep]
+def _matched(va, ia, vb, ib) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row, column in the top-k side, ref value, cand value) of every token both hold."""
+    if ia is not None and ib is not None:
+        eq = (ia[:, :, None] == ib[:, None, :]) & (ia[:, :, None] >= 0)
+        r, i, j = np.nonzero(eq)
+        return r, i, va[r, i], vb[r, j]
+    if ia is not None:            # cand full: read at ref's ids
+        r, i = np.nonzero(ia >= 0)
+        return r, i, va[r, i], vb[r, ia[r, i]]
+    r, j = np.nonzero(ib >= 0)    # ref full: read at cand's ids
+    return r, j, va[r, ib[r, j]], vb[r, j]
 
 
-def coarse_kl(va: np.ndarray, vb: np.ndarray) -> float:
-    """KL(ref || cand) over the given tokens' log-probabilities plus the rest of the
-    vocabulary as one outcome (each side's mass outside them)."""
-    pa, pb = np.exp(va), np.exp(vb)
-    kl = float(np.sum(pa * (va - vb)))
-    ra, rb = max(1.0 - float(pa.sum()), 0.0), max(1.0 - float(pb.sum()), 0.0)
-    if ra > 1e-12:
-        kl += ra * (np.log(ra) - np.log(max(rb, 1e-30)))
-    return max(kl, 0.0)
+def _top(v: np.ndarray, ids: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the k largest (token ids, values), largest first (unused entries last)."""
+    w = np.where(ids >= 0, v, -np.inf) if ids is not None else v
+    k = min(k, w.shape[1])
+    part = np.argpartition(-w, k - 1, axis=1)[:, :k]
+    order = np.take_along_axis(part, np.argsort(-np.take_along_axis(w, part, 1), 1,
+                                                 kind="stable"), 1)
+    vals = np.take_along_axis(w, order, 1)
+    return (order if ids is None else np.take_along_axis(ids, order, 1)), vals
+
+
+def _per_row(rows: int, r: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return np.bincount(r, weights=x, minlength=rows)
 
 
 def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str, *,
@@ -106,23 +101,39 @@ def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str,
     each position's LogitsPosition."""
     if ref.rows != cand.rows:
         raise ValueError(f"top-k logits of {ref.rows} and {cand.rows} positions")
-    width = max(ref.values.shape[-1] if ref.ids is not None else 0,
-                cand.values.shape[-1] if cand.ids is not None else 0)
-    rows = [common(ref, cand, i) for i in range(ref.rows)]
-    spread = np.concatenate([va for _, va, _ in rows]) if rows else np.zeros(0)
-    scale = float(np.std(spread)) if spread.size > 1 else None
-    acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol,
-                            scale=scale or None, row=width)
-    positions = []
-    for i, (ids, va, vb) in enumerate(rows):
-        if va.size:
-            acc.add(va, vb, i * width + np.arange(va.size))
-        (ta, two), (tb, _) = ref.top(i, 5), cand.top(i, 5)
-        k5 = min(len(ta), len(tb), 5)
-        t5 = len(set(ta[:k5].tolist()) & set(tb[:k5].tolist())) / k5 if k5 else 0.0
-        margin = float(two[0] - two[1]) if two.size >= 2 else float("inf")
-        noise = float(logit_noise(va, vb)[0]) if va.size else 0.0
-        positions.append(LogitsPosition(i, coarse_kl(va, vb) if va.size else 0.0,
-                                        int(ta[0]) if len(ta) else -1,
-                                        int(tb[0]) if len(tb) else -1, t5, margin, noise))
+    if ref.ids is None and cand.ids is None:
+        raise ValueError("top-k comparison of two full sides")
+    width = max(s.values.shape[-1] for s in (ref, cand) if s.ids is not None)
+    full = max(s.values.shape[-1] for s in (ref, cand))
+    step = max(1, BLOCK_ELEMS // full)
+    acc, positions = None, []
+    for lo in range(0, ref.rows, step):
+        hi = min(lo + step, ref.rows)
+        (va, ia), (vb, ib) = ref.block(lo, hi), cand.block(lo, hi)
+        n = hi - lo
+        r, col, a, b = _matched(va, ia, vb, ib)
+        if acc is None:  # the scale: the reference's spread over what is compared
+            acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol,
+                                    scale=float(np.std(a)) if a.size > 1 else None,
+                                    row=width)
+        acc.add(a, b, (lo + r) * width + col)
+        count = np.bincount(r, minlength=n)
+        pa, pb = np.exp(a), np.exp(b)
+        kl = _per_row(n, r, pa * (a - b))
+        rest_a = np.maximum(1.0 - _per_row(n, r, pa), 0.0)
+        rest_b = np.maximum(1.0 - _per_row(n, r, pb), 1e-30)
+        kl = np.maximum(kl + np.where(rest_a > 1e-12, rest_a * (np.log(np.maximum(
+            rest_a, 1e-300)) - np.log(rest_b)), 0.0), 0.0)
+        d = b - a
+        mean = _per_row(n, r, d) / np.maximum(count, 1)
+        noise = np.sqrt(_per_row(n, r, (d - mean[r]) ** 2) / np.maximum(count, 1))
+        (ta, top_a), (tb, _) = _top(va, ia, 5), _top(vb, ib, 5)
+        k5 = min(ta.shape[1], tb.shape[1])
+        t5 = (ta[:, :k5, None] == tb[:, None, :k5]).any(2).sum(1) / k5
+        margin = top_a[:, 0] - top_a[:, 1] if top_a.shape[1] > 1 else np.full(n, np.inf)
+        positions += [LogitsPosition(lo + i, float(kl[i]), int(ta[i, 0]), int(tb[i, 0]),
+                                     float(t5[i]), float(margin[i]), float(noise[i]))
+                      for i in range(n)]
+    if acc is None:
+        acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol)
     return acc.result(), positions
