@@ -59,20 +59,7 @@ def check_raw_logits(rows: np.ndarray, what: str) -> None:
 def dense_logits(logprobs, vocab: int) -> np.ndarray:
     """FlatLogprobs (or a list of {token: Logprob}) with every token of every position -> a
     [positions, vocab] float32 array; a position without entries (prompt position 0) is NaN."""
-    if hasattr(logprobs, "start_indices"):
-        ids = np.asarray(logprobs.token_ids, dtype=np.int64)
-        vals = np.asarray(logprobs.logprobs, dtype=np.float32)
-        spans = list(zip(logprobs.start_indices, logprobs.end_indices))
-    else:
-        ids_l, vals_l, spans, n = [], [], [], 0
-        for pos in logprobs:
-            items = list((pos or {}).items())
-            ids_l += [t for t, _ in items]
-            vals_l += [lp.logprob for _, lp in items]
-            spans.append((n, n + len(items)))
-            n += len(items)
-        ids = np.asarray(ids_l, dtype=np.int64)
-        vals = np.asarray(vals_l, dtype=np.float32)
+    ids, vals, spans = _entries(logprobs)
     out = np.full((len(spans), vocab), np.nan, dtype=np.float32)
     for p, (s, e) in enumerate(spans):
         if e > s:
@@ -106,19 +93,7 @@ def _topk_rows(logprobs, k: int) -> tuple[np.ndarray, np.ndarray]:
     """FlatLogprobs (or a list of {token: Logprob}) -> ([positions, k + 1] float32 values,
     [positions, k + 1] int64 ids): the first entry of a position (the token that follows) in
     column 0, the rest sorted by value, largest first, in columns 1..k."""
-    if hasattr(logprobs, "start_indices"):
-        ids = np.asarray(logprobs.token_ids, dtype=np.int64)
-        vals = np.asarray(logprobs.logprobs, dtype=np.float32)
-        spans = list(zip(logprobs.start_indices, logprobs.end_indices))
-    else:
-        ids_l, vals_l, spans, n = [], [], [], 0
-        for pos in logprobs:
-            items = list((pos or {}).items())
-            ids_l += [t for t, _ in items]
-            vals_l += [lp.logprob for _, lp in items]
-            spans.append((n, n + len(items)))
-            n += len(items)
-        ids, vals = np.asarray(ids_l, dtype=np.int64), np.asarray(vals_l, dtype=np.float32)
+    ids, vals, spans = _entries(logprobs)
     out_v = np.full((len(spans), k + 1), np.nan, dtype=np.float32)
     out_i = np.full((len(spans), k + 1), -1, dtype=np.int64)
     for p, (s, e) in enumerate(spans):
@@ -129,3 +104,20 @@ def _topk_rows(logprobs, k: int) -> tuple[np.ndarray, np.ndarray]:
         out_v[p, 1:1 + order.size] = vals[s + 1:e][order]
         out_i[p, 1:1 + order.size] = ids[s + 1:e][order]
     return out_v, out_i
+
+
+def _entries(logprobs) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """FlatLogprobs (or a list of {token: Logprob} per position) -> (token ids int64, values
+    float32, each position's (start, end) in them)."""
+    if hasattr(logprobs, "start_indices"):
+        return (np.asarray(logprobs.token_ids, dtype=np.int64),
+                np.asarray(logprobs.logprobs, dtype=np.float32),
+                list(zip(logprobs.start_indices, logprobs.end_indices)))
+    ids, vals, spans, n = [], [], [], 0
+    for pos in logprobs:
+        items = list((pos or {}).items())
+        ids += [t for t, _ in items]
+        vals += [lp.logprob for _, lp in items]
+        spans.append((n, n + len(items)))
+        n += len(items)
+    return np.asarray(ids, dtype=np.int64), np.asarray(vals, dtype=np.float32), spans
