@@ -32,7 +32,7 @@ def test_control_scenario_names_the_fault_and_the_control_decides(tmp_path):
     assert "control: " in md
     j = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert j["runs"]["control"]["label"] == "cpu bfloat16 eager (hf) + dither seeds 8, 9"
-    assert j["control_runs"] == ["captures/control.h5", "captures/control2.h5"]
+    assert j["runs"]["control"]["captures"] == ["captures/control.h5", "captures/control2.h5"]
     assert [x["layer"] for x in j["control"]["layers"]] == [0, 1, 2, 3]
     assert j["control"]["flagged"][0]["site"] == "model.layers.2.mlp.down_proj#0:out.0"
     html = (tmp_path / "rep" / "report.html").read_text()

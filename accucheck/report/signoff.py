@@ -127,9 +127,9 @@ def to_json(result: SignoffResult, diff_doc: dict | None = None, *, plots=(),
         "runs": {"reference": run("reference", r.ref_path, r.ref_meta),
                  "candidate": run("candidate", r.cand_path, r.cand_meta),
                  "golden": run("golden", r.golden_path, None) if r.golden_path else None,
-                 "control": run("control", r.control_paths[0], None) if r.control_paths
-                 else None},
-        "control_runs": [_rel(p, out_dir) for p in r.control_paths],
+                 "control": dict(run("control", r.control_paths[0], None),
+                                 captures=[_rel(p, out_dir) for p in r.control_paths])
+                 if r.control_paths else None},
         "thresholds": thr,
         "checks": [dict(c.__dict__) for c in r.checks],
         "failed_checks": [c.name for c in r.failed_checks],
