@@ -352,7 +352,7 @@ def test_stats_capture_reports_the_bound_as_the_error(tmp_path):
     assert r.error >= r.stats.rel_l2_lower_bound > 0.1 and not r.within
 
 
-def test_near_tie_is_margin_at_most_three_times_the_noise():
+def test_near_tie_is_margin_at_most_eight_times_the_noise():
     from accucheck.compare.results import LogitsPosition, TokenFlip
 
     def pos(margin, noise):
@@ -362,9 +362,9 @@ def test_near_tie_is_margin_at_most_three_times_the_noise():
         return TokenFlip(0, 0, 2, 0, 1, margin, noise, True, "logits")
 
     noise = 1e-3
-    # documented rule (docs/diff-json.md): near-tie when margin <= NEAR_TIE_FACTOR (3) x noise
-    for margin, expect in ((0.5e-3, True), (1e-3, True), (1.5e-3, True), (2.9e-3, True),
-                           (3.1e-3, False), (6e-3, False)):
+    # documented rule (docs/diff-json.md): near-tie when margin <= NEAR_TIE_FACTOR (8) x noise
+    for margin, expect in ((0.5e-3, True), (1e-3, True), (3.1e-3, True), (7.9e-3, True),
+                           (8.1e-3, False), (12e-3, False)):
         assert pos(margin, noise).near_tie is expect, margin
         assert flip(margin, noise).near_tie is expect, margin
         assert flip(margin, noise).label == ("near-tie" if expect else "real")
@@ -372,11 +372,12 @@ def test_near_tie_is_margin_at_most_three_times_the_noise():
     assert flip(None, None).label == "unknown (no logits stored)"
 
 
-@pytest.mark.parametrize("spread, real", [(6e-4, False), (1e-4, True)])
-def test_a_flip_is_real_only_with_a_margin_over_three_times_the_noise(tmp_path, spread, real):
-    """A margin between the logit noise and 3x it (x1.7 here) is a near-tie: two correct bf16
-    devices flip there (measured x1.1-x2.1, compare.tolerances NEAR_TIE_FACTOR), the diff
-    passes; over 3x (x4.2) the flip is real and the diff fails."""
+@pytest.mark.parametrize("spread, real", [(6e-4, False), (2.5e-4, False), (1e-4, True)])
+def test_a_flip_is_real_only_with_a_margin_over_eight_times_the_noise(tmp_path, spread, real):
+    """A margin between the logit noise and 8x it (x1.8 and x4.2 here) is a near-tie: two
+    correct bf16 devices flip there (measured up to x6.05, compare.tolerances NEAR_TIE_FACTOR),
+    the diff passes; over 8x (x10.5) the flip is real and the diff fails. The noise leaves out
+    the two tokens that trade places."""
     from accucheck.compare.metrics import logit_noise, top2_margin
 
     t = base()
@@ -386,13 +387,15 @@ def test_a_flip_is_real_only_with_a_margin_over_three_times_the_noise(tmp_path, 
     ref[0, 2, 1] = 5.0 - 1e-3                    # last (generating) position: margin 1e-3
     t[k] = ref
     cand = ref.copy()
-    cand[0, 2, 1] += 1.25e-3                     # flips the top token
+    cand[0, 2, 0] -= 6e-4                        # flips the top token
+    cand[0, 2, 1] += 6e-4
     cand[0, 2, 5:] += spread * np.where(np.arange(27) % 2 == 0, 1.0, -1.0)
     c = dict(t)
     c[k] = cand
     margin = float(top2_margin(ref[0, 2].astype(np.float64))[0])
     noise = float(logit_noise(ref[0, 2], cand[0, 2])[0])
-    assert (margin > 3 * noise) is real and margin > noise  # the cases the rule must get right
+    assert (margin > 8 * noise) is real and margin > noise  # the cases the rule must get right
+    assert real or spread > 5e-4 or margin > 3 * noise      # x4.2: "real" at the old x3
     d = diff_captures(write(tmp_path / "a.h5", t), write(tmp_path / "b.h5", c))
     f = d.first_flip
     assert (f.step, f.position, f.generating, f.near_tie, f.label) == (

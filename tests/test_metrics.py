@@ -381,6 +381,30 @@ def test_logits_metrics():
     assert M.logit_noise(ref, cand)[1] == pytest.approx(float(np.std(d)), rel=1e-12)
 
 
+def test_logit_noise_leaves_out_the_two_tokens_that_trade_places():
+    """A fault that lifts one token's logit over the top-1 flips the token; counted in the
+    noise, that one moved logit would make any such flip a near-tie (one logit moved by x
+    among 32 unmoved is a spread of 0.17x). Left out, the noise is the other tokens' spread."""
+    rng = np.random.default_rng(1)
+    ref = rng.normal(size=(1, 500))
+    d = 1e-3 * rng.normal(size=(1, 500))
+    top = np.argsort(ref[0])[-M.LOGIT_NOISE_TOP:]
+    margin = ref[0, top[-1]] - ref[0, top[-2]]
+    d[0, top[-5]] += ref[0, top[-1]] - ref[0, top[-5]] + 0.5    # the 5th token jumps over
+    cand = ref + d
+    assert np.argmax(cand[0]) == top[-5]
+    others = np.delete(d[0, top], [len(top) - 1, len(top) - 5])
+    noise = float(M.logit_noise(ref, cand)[0])
+    assert noise == pytest.approx(float(np.std(others)), rel=1e-12)
+    assert margin > 8 * noise
+    everything = float(np.std(d[0, top]))                          # the moved one counted
+    assert margin < 8 * everything
+    # too few left: measured over all of them
+    c6 = cand[:, :6] + 1e-3 * np.arange(6)
+    assert M.logit_noise(ref[:, :6], c6)[0] == pytest.approx(float(np.std(c6 - ref[:, :6])),
+                                                             rel=1e-12)
+
+
 def test_logit_noise_is_measured_where_a_flip_happens_at_the_top_logits():
     """Rounding errors scale with the logit: a row whose error sits at its largest logits has
     the noise of its top logits, not the vocabulary's (which the many small logits dilute)."""

@@ -52,7 +52,7 @@ def _stats(bound: float, nan_inf: int = 0) -> StatsDelta:
 
 
 def _flip(near_tie: bool | None, *, req=0, step=1, position=5, generating=True) -> TokenFlip:
-    m, n = {True: (0.1, 0.2), False: (2.0, 0.5), None: (None, None)}[near_tie]
+    m, n = {True: (0.1, 0.2), False: (2.0, 0.2), None: (None, None)}[near_tie]
     return TokenFlip(req, step, position, 11, 12, m, n, generating, "logits")
 
 
@@ -144,7 +144,7 @@ def test_fail_line_only_inputs_or_only_a_token():
         "FAIL: only recorded inputs differ, first r0.s0:a#0:in.0: rel_l2 0.5 [tolerance 0.01]; "
         "their producer is not recorded: widen --include")
     ok = _pass().analysis()
-    for flips, why in (((_flip(True), _flip(False)), "reference margin 2 vs logit noise 0.5 (a near-tie up to x3): a "
+    for flips, why in (((_flip(True), _flip(False)), "reference margin 2 vs logit noise 0.2 (a near-tie up to x8): a "
                         "real flip"),
                        ((_flip(None),), "no logits stored to tell a near-tie from a real flip "
                         "(capture with --store full)")):
@@ -230,7 +230,7 @@ def test_json_stats_shadow_ops_suspicious_and_logits():
                                           "top1_cand": 2, "agree": False, "top5_overlap": 0.8,
                                           "margin": 1.0, "noise": 0.1}]}]
     flip = {"req": 0, "step": 1, "position": 5, "ref_token": 11, "cand_token": 12,
-            "margin": 2.0, "noise": 0.5, "generating": True, "near_tie": False,
+            "margin": 2.0, "noise": 0.2, "generating": True, "near_tie": False,
             "label": "real", "source": "logits"}
     assert j["logits"]["first_flip"] == flip and j["logits"]["flips"] == [flip]
     assert to_json(_pass().analysis())["logits"]["first_flip"] is None
@@ -475,7 +475,7 @@ def test_text_has_the_curve_and_logits_sections_only_with_data():
     lg = to_text(_with(a, diff=dict(first_flip=_flip(True)))).splitlines()
     i = lg.index("Logits")
     assert lg[i + 1] == ("first token flip: request 0 step 1 position 5 (generated): ref 11 vs "
-                         "cand 12, reference margin 0.1 vs logit noise 0.2 (a near-tie up to x3): a near-tie")
+                         "cand 12, reference margin 0.1 vs logit noise 0.2 (a near-tie up to x8): a near-tie")
     assert "Logits" not in to_text(a).splitlines()
     step = LogitsStep(RecordKey.parse("r0.s0:logits#0:out.0"),
                       (LogitsPosition(0, 0.5, 1, 1, 0.5, 1.0, 0.1),))
@@ -504,7 +504,7 @@ def test_logits_table_per_step_first_eight_steps():
     lines = _logits_table(many, "simple").splitlines()
     assert [ln.split()[0] for ln in lines[2:-1]] == [str(s) for s in range(8)]
     assert lines[-1] == ("first token flip: request 0 step 1 position 5: ref 11 vs cand 12, "
-                         "reference margin 2 vs logit noise 0.5 (a near-tie up to x3): a real flip")
+                         "reference margin 2 vs logit noise 0.2 (a near-tie up to x8): a real flip")
     only = dataclasses.replace(d, logits=(), first_flip=_flip(None))
     assert _logits_table(only, "simple") == (
         "first token flip: request 0 step 1 position 5 (generated): ref 11 vs cand 12, no "

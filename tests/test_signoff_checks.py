@@ -34,7 +34,7 @@ def _logits(req, step, *positions):
 
 
 def _flip(near_tie, req=0, step=1, margin=None):
-    m, n = {True: (0.1, 0.2), False: (2.0, 0.5), None: (None, None)}[near_tie]
+    m, n = {True: (0.1, 0.2), False: (2.0, 0.2), None: (None, None)}[near_tie]
     return TokenFlip(req, step, 3, 11, 12, m, n, True, "logits")
 
 
@@ -158,7 +158,7 @@ def test_flip_checks_name_the_first_flip_of_their_kind():
     c = _checks(real, real_flips=1)
     assert c["real_flips"].detail == ("1 real generated-token flip(s) (allowed 0); first at "
                                       "request 0 step 3 (ref 11 vs cand 12, margin 2 vs noise "
-                                      "0.5)")
+                                      "0.2)")
     assert c["near_tie_flips"].detail == "0 near-tie generated-token flip(s) (allowed 0)"
     assert (c["real_flips"].value, c["real_flips"].limit) == (1, 0)
 

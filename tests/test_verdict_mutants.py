@@ -215,8 +215,8 @@ def test_token_flip_label_needs_both_margin_and_noise():
     assert [(f.near_tie, f.label) for f in (flip(None, 0.1), flip(0.1, None), flip(None, None))] \
         == [(None, "unknown (no logits stored)")] * 3
     assert (flip(0.1, 0.1).near_tie, flip(0.1, 0.1).label) == (True, "near-tie")
-    assert (flip(0.3, 0.1).near_tie, flip(0.3, 0.1).label) == (True, "near-tie")  # x3
-    assert (flip(0.31, 0.1).near_tie, flip(0.31, 0.1).label) == (False, "real")
+    assert (flip(0.8, 0.1).near_tie, flip(0.8, 0.1).label) == (True, "near-tie")  # x8
+    assert (flip(0.81, 0.1).near_tie, flip(0.81, 0.1).label) == (False, "real")
 
 
 def test_diff_basis_ignores_shape_records_and_precision_needs_one_compute_dtype():

@@ -16,8 +16,8 @@ tolerances; never torch (so `accucheck diff` starts fast and runs without torch)
   a failure is certain, a pass is weaker, and the result says so.
 - Logits records (kind "logits") also get per-position KL(ref||cand), top-1 agreement, top-5
   overlap and the reference top-1/top-2 margin; the first token flip is a "near-tie" when that
-  margin is at most NEAR_TIE_FACTOR (3) x the logit noise (std of cand - ref over the
-  vocabulary) at that position.
+  margin is at most NEAR_TIE_FACTOR (8) x the logit noise (the spread of cand - ref over the
+  reference's top-32 logits, compare.metrics.logit_noise) at that position.
 - With a golden capture, each record gets `cand worse` / `ref worse` / `both within noise` from
   RMSE(cand, golden) vs RMSE(ref, golden) with a multiplier (2 for fp32, 3 for 16-bit runs) and
   a floor of a tenth of the tolerance; the referee then decides `within` (a record fails only

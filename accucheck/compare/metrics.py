@@ -455,16 +455,37 @@ LOGIT_NOISE_TOP = 32
 
 
 def logit_noise(ref_logits, cand_logits, top: int = LOGIT_NOISE_TOP) -> np.ndarray:
-    """Per row: the spread of (cand - ref), shift-invariant like the softmax (the row's mean
-    difference removed): the larger of its RMS over the vocabulary and over the reference's
-    `top` largest logits. A flip happens at the top, where rounding errors are largest (they
-    scale with the logit): between two correct bf16 devices on SmolLM2, the top-32 RMS stood
-    up to x3 the vocabulary's, and a correct device flipped a token at a margin of x3.4 the
-    vocabulary's spread (x2.2 the top's). A token flip whose reference top-1/top-2 margin is
-    within a few times this is a near-tie (compare.tolerances.NEAR_TIE_FACTOR)."""
+    """Per row: the spread of (cand - ref) over the reference's `top` largest logits, around
+    their own mean, leaving out the two sides' top-1 tokens (`spread_without_tops`). A flip
+    happens at the top and needs d(top-2) - d(top-1) > margin: what moves a margin is how the
+    top tokens' errors differ from each other, not how far the top moved against the rest of
+    the vocabulary (a shift of the top tokens together moves no margin), nor the many small
+    logits' errors (rounding errors scale with the logit). It is what a top-k capture can
+    measure (compare.topk, over the tokens both sides hold), so a flip is judged the same
+    whatever the logits' form. A token flip whose reference top-1 / top-2 margin is within
+    NEAR_TIE_FACTOR times this is a near-tie (compare.tolerances)."""
     r = np.atleast_2d(np.asarray(ref_logits, dtype=np.float64))
-    d = np.atleast_2d(np.asarray(cand_logits, dtype=np.float64)) - r
-    d = d - d.mean(axis=-1, keepdims=True)
-    k = min(top, d.shape[-1])
-    at_top = np.take_along_axis(d, np.argpartition(r, -k, axis=-1)[:, -k:], axis=-1)
-    return np.maximum(np.sqrt(np.mean(d * d, axis=-1)), np.sqrt(np.mean(at_top ** 2, axis=-1)))
+    c = np.atleast_2d(np.asarray(cand_logits, dtype=np.float64))
+    k = min(top, r.shape[-1])
+    idx = np.argpartition(r, -k, axis=-1)[:, -k:]
+    d = np.take_along_axis(c - r, idx, axis=-1)
+    keep = (idx != np.argmax(r, axis=-1)[:, None]) & (idx != np.argmax(c, axis=-1)[:, None])
+    rows = np.repeat(np.arange(r.shape[0]), k)
+    return spread_without_tops(r.shape[0], rows, d.reshape(-1), keep.reshape(-1))
+
+
+NOISE_MIN_KEPT = 8  # values the noise is measured on once the two top-1 tokens are left out
+
+
+def spread_without_tops(rows: int, r: np.ndarray, d: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Per row (`r`: the row of each value of `d`): the standard deviation of the differences
+    `d`, over those `keep` marks where at least NOISE_MIN_KEPT are, else over all of them.
+    `keep` leaves out the reference's and the candidate's top-1 tokens: a fault that moves one
+    token's logit is what flips it, and counted in the noise it would hide itself (one logit
+    moved by x among 32 unmoved is a spread of 0.17x: a flip at margin m then reads as at most
+    m / 0.17m = x5.7 the noise, a near-tie however large the fault)."""
+    kept = np.bincount(r, weights=keep, minlength=rows)
+    use = np.where(kept[r] >= NOISE_MIN_KEPT, keep, True).astype(np.float64)
+    n = np.maximum(np.bincount(r, weights=use, minlength=rows), 1.0)
+    mean = np.bincount(r, weights=use * d, minlength=rows) / n
+    return np.sqrt(np.bincount(r, weights=use * (d - mean[r]) ** 2, minlength=rows) / n)

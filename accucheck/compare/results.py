@@ -175,8 +175,8 @@ class LogitsPosition:
     top1_cand: int
     top5_overlap: float
     margin: float              # reference top-1 minus top-2 logit
-    noise: float               # std over the vocabulary of cand - ref (a near-tie:
-                               # margin <= NEAR_TIE_FACTOR x noise)
+    noise: float               # spread of cand - ref over the reference's top logits (a
+                               # near-tie: margin <= NEAR_TIE_FACTOR x noise)
 
     @property
     def agree(self) -> bool:

@@ -13,8 +13,9 @@ ids, so there every token the top-k side holds is compared. Per position:
   (each side's mass outside them): the KL of a coarser partition, never more than the full
   KL (so a top-k diff can miss tail divergence, never invent it);
 - top-5 overlap of the two sides' top min(5, K);
-- the logit noise (compare.metrics.logit_noise: the spread of cand - ref, its mean removed)
-  over the tokens both hold: the top of the distribution, where logit_noise also looks.
+- the logit noise (compare.metrics.logit_noise: the spread of cand - ref, its mean removed,
+  the two sides' top-1 tokens left out) over the tokens both hold: the top of the
+  distribution, where logit_noise also looks.
 
 The record's metrics are measured on the values both hold, up to a shift per position, as
 full logits are. Vectorised over positions, in blocks of at most BLOCK_ELEMS values of a full
@@ -26,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from accucheck.compare.metrics import MetricAccumulator, TensorMetrics
+from accucheck.compare.metrics import MetricAccumulator, TensorMetrics, spread_without_tops
 from accucheck.compare.results import LogitsPosition
 from accucheck.keys import RecordKey
 from accucheck.store import LOGITS_IDS_SLOT
@@ -66,17 +67,18 @@ def ids_key(key: RecordKey) -> RecordKey:
     return replace(key, slot=LOGITS_IDS_SLOT)
 
 
-def _matched(va, ia, vb, ib) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(row, column in the top-k side, ref value, cand value) of every token both hold."""
+def _matched(va, ia, vb, ib) -> tuple[np.ndarray, ...]:
+    """(row, column in the top-k side, ref value, cand value, token id) of every token both
+    hold."""
     if ia is not None and ib is not None:
         eq = (ia[:, :, None] == ib[:, None, :]) & (ia[:, :, None] >= 0)
         r, i, j = np.nonzero(eq)
-        return r, i, va[r, i], vb[r, j]
+        return r, i, va[r, i], vb[r, j], ia[r, i]
     if ia is not None:            # cand full: read at ref's ids
         r, i = np.nonzero(ia >= 0)
-        return r, i, va[r, i], vb[r, ia[r, i]]
+        return r, i, va[r, i], vb[r, ia[r, i]], ia[r, i]
     r, j = np.nonzero(ib >= 0)    # ref full: read at cand's ids
-    return r, j, va[r, ib[r, j]], vb[r, j]
+    return r, j, va[r, ib[r, j]], vb[r, j], ib[r, j]
 
 
 def _top(v: np.ndarray, ids: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,23 +113,20 @@ def compare_topk(ref: TopkSide, cand: TopkSide, ref_dtype: str, cand_dtype: str,
         hi = min(lo + step, ref.rows)
         (va, ia), (vb, ib) = ref.block(lo, hi), cand.block(lo, hi)
         n = hi - lo
-        r, col, a, b = _matched(va, ia, vb, ib)
+        r, col, a, b, tok = _matched(va, ia, vb, ib)
         if acc is None:  # the scale: the reference's spread over what is compared
             acc = MetricAccumulator(ref_dtype, cand_dtype, rtol=rtol, atol=atol,
                                     scale=float(np.std(a)) if a.size > 1 else None,
                                     row=width)
         acc.add(a, b, (lo + r) * width + col)
-        count = np.bincount(r, minlength=n)
         pa, pb = np.exp(a), np.exp(b)
         kl = _per_row(n, r, pa * (a - b))
         rest_a = np.maximum(1.0 - _per_row(n, r, pa), 0.0)
         rest_b = np.maximum(1.0 - _per_row(n, r, pb), 1e-30)
         kl = np.maximum(kl + np.where(rest_a > 1e-12, rest_a * (np.log(np.maximum(
             rest_a, 1e-300)) - np.log(rest_b)), 0.0), 0.0)
-        d = b - a
-        mean = _per_row(n, r, d) / np.maximum(count, 1)
-        noise = np.sqrt(_per_row(n, r, (d - mean[r]) ** 2) / np.maximum(count, 1))
         (ta, top_a), (tb, _) = _top(va, ia, 5), _top(vb, ib, 5)
+        noise = spread_without_tops(n, r, b - a, (tok != ta[r, 0]) & (tok != tb[r, 0]))
         k5 = min(ta.shape[1], tb.shape[1])
         t5 = (ta[:, :k5, None] == tb[:, None, :k5]).any(2).sum(1) / k5
         margin = top_a[:, 0] - top_a[:, 1] if top_a.shape[1] > 1 else np.full(n, np.inf)

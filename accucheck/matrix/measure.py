@@ -2,7 +2,7 @@
 
 Both runs are raw full-vocabulary logits at the request's generating positions (step 0 = the
 last prompt position, step k = the k-th forced token), the run teacher-forced to the baseline's
-tokens, so position k of one is position k of the other. Imports numpy and compare.metrics.
+tokens, so position k of one is position k of the other. Imports numpy and compare.metrics / tolerances.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from accucheck.compare.metrics import kl_div, log_softmax, logit_noise, top2_margin
+from accucheck.compare.tolerances import NEAR_TIE_FACTOR
 
 
 @dataclass(frozen=True)
@@ -19,11 +20,11 @@ class Flip:
     base_token: int
     run_token: int
     margin: float        # the baseline's top-1 minus top-2 logit there
-    noise: float         # std over the vocabulary of run - baseline there
+    noise: float         # spread of run - baseline over the baseline's top logits there
 
     @property
     def near_tie(self) -> bool:
-        return self.margin <= self.noise
+        return self.margin <= NEAR_TIE_FACTOR * self.noise
 
     @property
     def label(self) -> str:
