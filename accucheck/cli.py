@@ -85,10 +85,10 @@ def _engine_args(pairs: tuple[str, ...]) -> dict:
               help="the requests recorded, e.g. 0,2-3 (every request still runs)")
 @click.option("--layers", default=None,
               help="the decoder layers recorded, e.g. 0-3,28,29 (modules outside layers stay)")
-@click.option("--logits", default="full", show_default=True,
-              help="logits recorded: full (raw, every vocabulary entry) or topk:K (per position "
+@click.option("--logits", default="auto", show_default=True,
+              help="logits recorded: full (raw, every vocabulary entry), topk:K (per position "
                    "the K largest log-probabilities and the following token's, with ids; kept "
-                   "in the stats store too)")
+                   "in the stats store too) or auto (full with --store full, else topk:32)")
 @click.option("--level", type=click.Choice(["module", "op"]), default="module",
               show_default=True,
               help="op: also every operator inside the selected modules (eager mode only)")
@@ -130,7 +130,7 @@ def capture(model, out, runner, device, dtype, mode, store, prompts, prompts_fil
             routing_from, routing_weights, control_for, plain_control, compression,
             compile_backend, observer_check, engine_args, trust_remote_code, list_modules, force,
             level="module", shadow=None, positions="all", requests_=None, layers=None,
-            logits="full"):
+            logits="auto"):
     """Run MODEL (a local Hugging Face directory; @tiny for the built-in tiny Llama, @tiny-moe
     for the built-in tiny Qwen3-MoE) on the prompts and write one HDF5 capture."""
     from accucheck.capture.options import CaptureOptions, check_runner, parse_requests

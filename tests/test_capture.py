@@ -35,7 +35,9 @@ LAYER_SITES = [
 ]
 
 
-def canonical_keys(n_layers: int, steps: int, requests: int) -> list[str]:
+def canonical_keys(n_layers: int, steps: int, requests: int, topk: bool = True) -> list[str]:
+    """The keys of a default capture; `topk`: the stats store's top-k logits (their ids in
+    slot 1, --logits auto), False for the full store's full logits."""
     keys = []
     for r in range(requests):
         for s in range(steps + 1):
@@ -49,6 +51,8 @@ def canonical_keys(n_layers: int, steps: int, requests: int) -> list[str]:
                     keys.append(f"r{r}.s{s}:{mod}#0:{role}.0")
             keys.append(f"r{r}.s{s}:model.norm#0:out.0")
             keys.append(f"r{r}.s{s}:logits#0:out.0")
+            if topk:
+                keys.append(f"r{r}.s{s}:logits#0:out.1")
     return keys
 
 
@@ -75,10 +79,11 @@ def test_canonical_record_keys(tiny, tmp_path):
     with open_capture(tmp_path / "a.h5") as r:
         keys = [str(row.key) for row in r.rows]
         assert keys == canonical_keys(4, 2, 2)
-        # logits: every prompt position at step 0, one position per decode step
+        # logits: every prompt position at step 0, one position per decode step; in the
+        # stats store the top-32 log-probabilities and the following token's (--logits auto)
         n_prompt = len(r.requests[0].prompt_ids)
-        assert r.row("r0.s0:logits#0:out.0").shape == (1, n_prompt, 1024)
-        assert r.row("r0.s2:logits#0:out.0").shape == (1, 1, 1024)
+        assert r.row("r0.s0:logits#0:out.0").shape == (1, n_prompt, 33)
+        assert r.row("r0.s2:logits#0:out.0").shape == (1, 1, 33)
         assert r.row("r0.s1:model.layers.3#0:out.0").shape == (1, 1, 256)
         assert len(r.requests[0].generated_ids) == 2
         assert r.meta["runner"] == "hf" and r.meta["mode"] == "eager"

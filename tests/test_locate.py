@@ -95,7 +95,10 @@ def test_stats_only_capture_finds_a_scale_fault_weaker(tiny, tmp_path):
         capture_model(model, diffcases.PROMPTS, tmp_path / "c.h5", tokenizer=tok,
                       store="stats", max_new_tokens=1, tokens_from=str(ref))
     a = analyze(ref, tmp_path / "c.h5")
-    assert a.diff.basis == "sample" and a.exit_code == 1
+    assert a.exit_code == 1
+    # every record sampled but the logits (top-k, kept in the stats store: --logits auto)
+    assert {r.basis for r in a.diff.records if r.kind != "logits"} == {"sample"}
+    assert {r.basis for r in a.diff.records if r.kind == "logits"} == {"tensor"}
     fd = a.location.first_divergence
     assert (fd.key.module, fd.cause, fd.basis) == ("model.layers.1.self_attn", "introduced",
                                                    "sample")

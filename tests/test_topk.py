@@ -165,16 +165,14 @@ def test_a_bad_logits_flag_is_a_usage_error(bad, tmp_path, capsys):
     assert not (tmp_path / "x.h5").exists()
 
 
-def test_full_logits_stay_the_default_and_top_k_asks_vllm_for_log_probabilities():
-    """Full logits stay the default in both stores: top-32 in the stats store saw every flip
-    but measured the flip noise lower than the full vocabulary does, and judged 6 clean
-    no-control pairs of 400 "real flips" (docs/control.md)."""
-    from accucheck.capture.options import CaptureOptions, check_runner
+def test_the_default_is_top_k_in_the_stats_store_and_full_in_the_full_store():
+    from accucheck.capture.options import DEFAULT_TOPK, CaptureOptions, check_runner
     from accucheck.errors import UserError
 
-    assert CaptureOptions().logits == CaptureOptions(store="full").logits == "full"
-    assert CaptureOptions().meta().get("logits") is None
-    assert CaptureOptions(logits="topk:5").meta()["logits"] == "topk:5"
+    assert CaptureOptions().logits == f"topk:{DEFAULT_TOPK}"
+    assert CaptureOptions(store="full").logits == "full"
+    assert CaptureOptions(store="full", logits="topk:5").logits == "topk:5"
+    assert CaptureOptions(logits="full").meta().get("logits") is None
     with pytest.raises(UserError, match="raw_logprobs"):
         check_runner(CaptureOptions(logits="topk:4"), "vllm", {"logprobs_mode": "raw_logits"})
 

@@ -72,15 +72,16 @@ def test_a_sampler_in_raw_logits_mode_is_recorded(engine, tiny_dir, tmp_path):
     assert meta["workers"]["0"]["sampler"] == {"class": "Sampler", "logprobs_mode": "raw_logits"}
 
 
-def test_the_ascend_sampler_gives_top_k_logits(engine, tiny_dir, tmp_path, monkeypatch):
-    """--logits topk:K asks for log-probabilities, which is what vllm-ascend's AscendSampler
-    computes whatever the engine asks: not refused, and the file holds each position's
-    following token and top-k as the engine returned them."""
+def test_the_ascend_sampler_gives_the_default_top_k_logits(engine, tiny_dir, tmp_path,
+                                                            monkeypatch):
+    """The default stats capture keeps top-k log-probabilities (--logits auto), which is what
+    vllm-ascend's AscendSampler computes whatever the engine asks: not refused, and the file
+    holds each position's following token and top-k as the engine returned them."""
     from accucheck.store import open_capture
 
     monkeypatch.setattr(engine, "make_runner", staticmethod(lambda: fk.Runner(
         fk.MoEModel("vllm"), sampler=fk.AscendSampler("raw_logprobs"))))
-    out = _capture(tiny_dir, tmp_path / "x.h5", logits="topk:32")
+    out = _capture(tiny_dir, tmp_path / "x.h5")
     with open_capture(out) as c:
         assert c.meta["workers"]["0"]["sampler"]["logprobs_mode"] == "raw_logprobs"
         assert c.meta["options"]["logits"] == "topk:32"
@@ -309,7 +310,7 @@ def test_graph_mode_meta_says_the_taps_may_undo_fusions(engine, tiny_dir, tmp_pa
             mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
             pass_config=PassConfig()))
     monkeypatch.setattr(engine, "make_runner", staticmethod(runner))
-    meta = _meta(_capture(tiny_dir, tmp_path / "g.h5", mode="graph", logits="topk:32"))
+    meta = _meta(_capture(tiny_dir, tmp_path / "g.h5", mode="graph"))
     fp = meta["fusion_passes"]
     assert fp["enabled"] == ["vllm.enable_qk_norm_rope_fusion", "vllm.fuse_norm_quant"]
     assert fp["matches"] == {
@@ -319,7 +320,8 @@ def test_graph_mode_meta_says_the_taps_may_undo_fusions(engine, tiny_dir, tmp_pa
     assert fp["note"].startswith("2 fusion pass(es) on: the taps add readers")
     assert "meta observer_effect measures" in fp["note"]
     assert meta["observer_effect"]["bitwise"]
-    # top-k logits: the untapped engine's, the tapped ones measured against them at every step
+    # the stats store's top-k logits (--logits auto): the untapped engine's, the tapped ones
+    # measured against them at every step
     assert meta["options"]["logits"] == "topk:32" and len(meta["observer_effect"]["steps"]) == 4
 
 

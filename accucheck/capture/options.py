@@ -20,6 +20,9 @@ from accucheck.store import (parse_layers, parse_logits, parse_positions,  # noq
                              parse_requests)
 
 MODES = ("eager", "graph")
+# logits a stats capture keeps by default (--logits auto): each position's 32 largest
+# log-probabilities, the span compare.metrics.logit_noise measures a near-tie flip's noise on
+DEFAULT_TOPK = 32
 LEVELS = ("module", "op")
 
 
@@ -60,9 +63,11 @@ class CaptureOptions:
     of the prefill); the request numbers recorded (all run; empty: every one); the decoder
     layers recorded ("0-3,28-29"; modules outside layers are kept). Each is in meta `options`
     so a diff says what was compared.
-    logits: "full" (raw logits over the whole vocabulary) or "topk:K" (per position the K
+    logits: "full" (raw logits over the whole vocabulary), "topk:K" (per position the K
     largest log-probabilities and the following token's, with their ids: store.logits_topk;
-    kept in every store mode).
+    kept in every store mode) or "auto" (the default): full in the full store, topk:32
+    (DEFAULT_TOPK) in the stats store, which keeps no tensor of full logits, so that a diff of
+    two stats captures still sees token flips and their margins. Resolved when made.
     """
     device: str = "cpu"
     dtype: str | None = None
@@ -87,7 +92,7 @@ class CaptureOptions:
     positions: str = "all"
     requests: tuple[int, ...] = ()
     layers: str | None = None
-    logits: str = "full"
+    logits: str = "auto"
     meta_extra: dict = field(default_factory=dict)
 
     def meta(self) -> dict:
@@ -127,6 +132,9 @@ class CaptureOptions:
             parse_dtype(self.dtype)
         dev.parse_device(self.device)
         parse_positions(self.positions)
+        if self.logits == "auto":
+            object.__setattr__(self, "logits", "full" if self.store == "full"
+                               else f"topk:{DEFAULT_TOPK}")
         parse_logits(self.logits)
         if self.layers is not None:
             parse_layers(self.layers)
