@@ -129,7 +129,7 @@ def plan(args: argparse.Namespace, out: Path, vllm_why: str | None) -> list[Step
              Step("cpu-reference", "cpu", ("capture", model, "--device", "cpu", "--dtype",
                                            "float32", *common, "-o", ref),
                   needs=("tiny-model",), output="cpu.h5")]
-    control = ("--control", "auto") if args.dtype != "float32" else ()
+    control = ("--control", "auto:1") if args.dtype != "float32" else ()  # one: device time
     for runner, mode in (("hf", "eager"), ("hf", "graph"), ("vllm", "eager"), ("vllm", "graph")):
         name = f"{runner}-{mode}"
         skip = None

@@ -147,47 +147,49 @@ def test_rotary_tables_rounded_to_bf16_are_named_at_rotary_emb(files, tiny, caps
     assert "model.rotary_emb#0\n" not in out  # the tolerance alone does not see it
 
 
-def test_control_auto_makes_the_control_beside_the_candidate_and_reuses_it(files, capsys,
-                                                                          tmp_path):
-    """`diff --control auto`: REF's meta names the model directory (here it exists), the
+def test_control_auto_1_makes_one_control_beside_the_candidate_and_reuses_it(files, capsys,
+                                                                             tmp_path):
+    """`diff --control auto:1`: REF's meta names the model directory (here it exists), the
     candidate's dtype sets the control's; the control is written beside CAND, judged with, and
     reused on the next diff. A clash is refused in one line, nothing overwritten."""
     import shutil
 
     cand = tmp_path / "fault.h5"
     shutil.copy(files / "fault.h5", cand)
-    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
+    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto:1"], capsys)
     made = tmp_path / "fault.control.h5"
     assert code == 1 and made.is_file() and "control: capturing" in err
+    assert not (tmp_path / "fault.control2.h5").exists()
     assert "more than noise" in out.splitlines()[0] and "model.layers.2.mlp.down_proj" in out
     with open_capture(made) as c:
         assert c.meta["dtype"] == "bfloat16" and c.meta["control_for"] == str(files / "ref.h5")
         assert c.meta["options"]["dither"] == 0  # the default control: dithered
     stamp = made.stat().st_mtime_ns
-    code2, out2, err2 = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
+    code2, out2, err2 = run(["diff", files / "ref.h5", cand, "--control", "auto:1"], capsys)
     assert code2 == 1 and "control: using" in err2 and made.stat().st_mtime_ns == stamp
     assert out2.splitlines()[0] == out.splitlines()[0]
     # a file there that is not this reference's control: refused, untouched
     other = tmp_path / "clean.h5"
     shutil.copy(files / "clean.h5", other)
     shutil.copy(files / "fp32.h5", tmp_path / "clean.control.h5")
-    code3, _, err3 = run(["diff", files / "ref.h5", other, "--control", "auto"], capsys)
+    code3, _, err3 = run(["diff", files / "ref.h5", other, "--control", "auto:1"], capsys)
     assert code3 == 3 and "is not a complete control of" in err3 and len(err3.splitlines()) == 1
     code4, _, err4 = run(["diff", files / "ref.h5", other, "--control", "auto", "--control",
                           files / "ctl.h5"], capsys)
     assert code4 == 2 and "give it alone" in err4
 
 
-def test_control_auto_2_makes_two_dithered_controls_and_judges_with_both(files, capsys,
-                                                                        tmp_path):
-    """`--control auto:2`: CAND.control.h5 (seed 0) and CAND.control2.h5 (seed 1), both
-    judged with (the rule takes the mean of their errors), reused on the next diff; a file in
-    the second's place that is another seed's control is refused before anything is made."""
+def test_control_auto_makes_two_dithered_controls_and_judges_with_both(files, capsys,
+                                                                      tmp_path):
+    """`--control auto` (as `auto:2`): CAND.control.h5 (seed 0) and CAND.control2.h5 (seed 1),
+    both judged with (the rule takes the mean of their errors), reused on the next diff; a
+    file in the second's place that is another seed's control is refused before anything is
+    made."""
     import shutil
 
     cand = tmp_path / "fault.h5"
     shutil.copy(files / "fault.h5", cand)
-    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto:2"], capsys)
+    code, out, err = run(["diff", files / "ref.h5", cand, "--control", "auto"], capsys)
     one, two = tmp_path / "fault.control.h5", tmp_path / "fault.control2.h5"
     assert code == 1 and one.is_file() and two.is_file(), err
     assert "model.layers.2.mlp.down_proj" in out and f"(control {one}, {two})" in err
@@ -202,7 +204,7 @@ def test_control_auto_2_makes_two_dithered_controls_and_judges_with_both(files, 
     assert code3 == 3 and "(seed 1)" in err3 and not (tmp_path / "other.control.h5").exists()
     for bad in ("auto:0", "auto:x", "auto:4"):
         code4, _, err4 = run(["diff", files / "ref.h5", cand, "--control", bad], capsys)
-        assert code4 == 2 and "use auto, auto:2 or auto:3" in err4
+        assert code4 == 2 and "use auto (two runs), auto:1, auto:2 or auto:3" in err4
 
 
 def test_control_auto_without_the_model_here_says_where_to_make_it(files, capsys, tmp_path):
