@@ -2,7 +2,8 @@
 
 Both runs are raw full-vocabulary logits at the request's generating positions (step 0 = the
 last prompt position, step k = the k-th forced token), the run teacher-forced to the baseline's
-tokens, so position k of one is position k of the other. Imports numpy and compare.metrics / tolerances.
+tokens, so position k of one is position k of the other. Imports numpy and compare.metrics /
+tolerances.
 """
 from __future__ import annotations
 

@@ -65,9 +65,9 @@ def control_run(ref: str | Path, opts: CaptureOptions, *, dtype_given: bool,
 def auto_control(ref: str | Path, cand: str | Path, *, runs: int = 1, force: bool = False,
                  progress=None) -> list[Path]:
     """`diff --control auto[:N]` (N = 2 for `auto`: the CLI's AUTO_CONTROL_RUNS): N controls
-    of `ref` at `cand`'s dtype (dithered with seeds 0 .. N-1), made here on the CPU from the model directory REF's meta names (hf, eager),
-    written beside CAND as CAND-STEM.control.h5, CAND-STEM.control2.h5, ... and reused on the
-    next diff. Two controls measured better than one on the emulated devices (docs/control.md:
+    of `ref` at `cand`'s dtype (dithered with seeds 0 .. N-1), made here on the CPU from the
+    model directory REF's meta names (hf, eager), written beside CAND as
+    CAND-STEM.control.h5, CAND-STEM.control2.h5, ... and reused on the next diff. Two controls measured better than one on the emulated devices (docs/control.md:
     91 % of x2 faults named against 83 %, 1 false alarm in 400 clean pairs against 4). Checked
     before anything is written: the model directory must exist here; an existing file there
     must be a complete control of this REF at that dtype and seed (else a one-line error:
