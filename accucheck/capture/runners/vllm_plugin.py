@@ -40,11 +40,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from accucheck.capture.device import deterministic_torch
+from accucheck.capture.record.ranks import Record
 from accucheck.capture.record.recorder import stats_rows
 from accucheck.capture.record.selection import flatten, inputs_of, select_modules, token_cut
 from accucheck.capture.record.spill import Spill, release_freed_memory
@@ -125,60 +125,6 @@ class PluginConfig:
         """Whether the selection records request `req` at step `step`."""
         return (not self.requests or req in self.requests) and \
             not (step == 0 and self.no_prefill)
-
-
-@dataclass
-class Record:
-    """One captured tensor of one request and step, ready for CaptureWriter.add."""
-    req: int
-    step: int
-    module: str
-    call: int           # how many times the module had already run in this forward
-    role: str
-    slot: str
-    dtype: str
-    shape: tuple[int, ...]
-    stats: np.ndarray   # the 10 statistics
-    checksum: int
-    data: np.ndarray | None
-    order: int          # execution order within the (req, step)
-    rank: int = 0       # tensor-parallel rank that recorded it
-    spilled: list | None = None  # where `data` lies in its rank's spill file (record.spill)
-
-    def to_wire(self) -> list:
-        """Primitives and bytes only (vLLM's RPC encoder refuses anything else without pickle)."""
-        data = None if self.data is None else [self.data.dtype.str, self.data.tobytes()]
-        return [self.req, self.step, self.module, self.call, self.role, self.slot, self.dtype,
-                list(self.shape), np.asarray(self.stats, np.float64).tobytes(), self.checksum,
-                data, self.order, self.rank, self.spilled]
-
-    def to_row(self) -> list:
-        """JSON-able, for the spill's index (record.spill `Spill.note`): its tensor is on disk
-        (`spilled`) or not recorded (stats mode)."""
-        return [int(self.req), int(self.step), self.module, int(self.call), self.role,
-                self.slot, self.dtype, [int(x) for x in self.shape],
-                [float(x) for x in np.asarray(self.stats, np.float64)], int(self.checksum),
-                int(self.order), int(self.rank),
-                None if self.spilled is None else [int(self.spilled[0]), self.spilled[1]]]
-
-    @classmethod
-    def from_row(cls, row: list) -> "Record":
-        (req, step, module, call, role, slot, dtype, shape, stats, checksum, order, rank,
-         spilled) = row
-        return cls(int(req), int(step), module, int(call), role, slot, dtype,
-                   tuple(int(x) for x in shape), np.asarray(stats, np.float64), int(checksum),
-                   None, int(order), int(rank), spilled)
-
-    @classmethod
-    def from_wire(cls, w: list) -> "Record":
-        (req, step, module, call, role, slot, dtype, shape, stats, checksum, data, order, rank,
-         spilled) = w
-        shape = tuple(int(x) for x in shape)
-        arr = None if data is None else np.frombuffer(data[1], dtype=np.dtype(data[0])) \
-            .reshape(shape)
-        return cls(int(req), int(step), module, int(call), role, slot, dtype, shape,
-                   np.frombuffer(stats, np.float64).copy(), int(checksum), arr, int(order),
-                   int(rank), spilled)
 
 
 # -- plugin entry point ---------------------------------------------------------------------
