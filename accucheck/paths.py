@@ -8,6 +8,7 @@ nothing is deleted that this run did not write.
 """
 from __future__ import annotations
 
+import glob
 import os
 import stat
 import tempfile
@@ -145,3 +146,14 @@ def outputs_overlap(outputs: Iterable[str | os.PathLike],
                 raise UserError.usage(f"{flag} {path} is also an output of {what} ({o}): an "
                                       f"input is never an output; move it out of the way or "
                                       f"choose another output")
+
+
+SPILL_MANIFEST = "capture.json"
+
+
+def spill_dirs(capture: str | os.PathLike) -> list[Path]:
+    """The spill directories a killed vLLM capture of `capture` left beside it
+    (`.NAME.ranks-*` holding SPILL_MANIFEST: capture.runners.vllm_salvage), sorted."""
+    p = Path(capture)
+    return sorted(d for d in p.parent.glob(f".{glob.escape(p.name)}.ranks-*")
+                  if (d / SPILL_MANIFEST).is_file())

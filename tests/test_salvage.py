@@ -52,7 +52,7 @@ def _killed(tmp_path: Path, name: str = "killed.h5", *, rank1_forwards: int = 2)
     completed three forwards (request 0's prefill, request 1's, request 0's first decode) and
     rank 1 `rank1_forwards` of them."""
     out = tmp_path / name
-    meta = dict(meta_header("vllm"), model="tiny", dtype="float32")
+    meta = dict(meta_header("vllm"), model={"name": "tiny"}, dtype="float32")
     code = (f"import os, json\nfrom accucheck.store import CaptureWriter\n"
             f"w = CaptureWriter({str(out)!r}, meta=json.loads({json.dumps(meta)!r}), "
             f"store='full')\nw.flush(force=True)\nos._exit(9)\n")
@@ -86,6 +86,9 @@ def test_the_forwards_every_rank_completed_are_written_and_the_spill_removed(tmp
     out, spill = _killed(tmp_path)
     with open_capture(out, allow_incomplete=True) as r:
         assert not r.complete and len(r.rows) == 0  # what the killed front end left
+    # what a diff of it says: how to keep what the run completed
+    assert f"`accucheck salvage {out}` keeps the forwards" in _refused(
+        ["diff", out, out], capsys, out, spill)
     code, _, err = run(["salvage", out], capsys)
     assert code == 0, err
     assert err.strip() == (f"salvaged 6 records (request/step: 0/0, 1/0); {out} is left "
@@ -94,7 +97,7 @@ def test_the_forwards_every_rank_completed_are_written_and_the_spill_removed(tmp
     with open_capture(out, allow_incomplete=True) as r:
         assert not r.complete
         assert r.meta["salvaged"] == {"records": 6, "steps": [[0, 0], [1, 0]]}
-        assert r.meta["model"] == "tiny" and r.store_mode == "full"
+        assert r.meta["model"] == {"name": "tiny"} and r.store_mode == "full"
         got = {str(row.key): r.read(row.key) for row in r.rows}
         assert [list(q.prompt_ids) for q in r.requests] == PROMPT_IDS
     # request 0's decode step: rank 1 never completed it, so it is not kept

@@ -13,6 +13,7 @@ import numpy as np
 from accucheck.errors import UserError
 from accucheck.errors import one_line as _one_line
 from accucheck.keys import RecordKey
+from accucheck.paths import spill_dirs
 from accucheck.store.format import (FORMAT, IndexRow, KINDS, REGENERATE_HINT, RequestTokens,
                                     SAMPLE_SIZE, SCHEMA_VERSION, STAT_FIELDS, Stats,
                                     _INDEX_COLUMNS, _NATIVE, _as_str, _split_axis,
@@ -75,6 +76,10 @@ class CaptureReader:
                 from accucheck.coverage import coverage_line
 
                 why = coverage_line(cov)
+            if spill_dirs(self.path):
+                raise UserError(f"{self.path}: incomplete capture (its vLLM run was killed, or still runs); "
+                                f"`accucheck salvage {self.path}` keeps the forwards it "
+                                f"completed")
             raise UserError(f"{self.path}: incomplete capture ({why}); re-run the capture, or "
                             f"`accucheck inspect` it to see what it holds (--allow-incomplete "
                             f"compares it anyway)")

@@ -25,10 +25,10 @@ from accucheck.capture.record.ranks import Record, merge_ranks
 from accucheck.capture.record.spill import SpillReader, spilled_end
 from accucheck.errors import UserError, one_line
 from accucheck.keys import RecordKey
-from accucheck.paths import check_output_file, temp_beside
+from accucheck.paths import SPILL_MANIFEST, check_output_file, spill_dirs, temp_beside
 from accucheck.store import CaptureWriter, open_capture
 
-MANIFEST = "capture.json"
+MANIFEST = SPILL_MANIFEST
 MANIFEST_VERSION = 1
 _FIELDS = {"out": str, "meta": dict, "store": str, "compression": (str, type(None)),
            "kinds": dict, "tp": int, "prompt_ids": list, "prompts": list,
@@ -87,8 +87,7 @@ def find_spill(path: str | Path) -> Path:
         if not (p / MANIFEST).is_file():
             raise UserError(f"{p} is not a vLLM capture's spill directory (no {MANIFEST} in it)")
         return p
-    found = sorted(d for d in p.parent.glob(f".{p.name}.ranks-*")
-                   if (d / MANIFEST).is_file())
+    found = spill_dirs(p)
     if not found:
         raise UserError(f"nothing to salvage for {p}: no spill directory of a vLLM capture "
                         f"(.{p.name}.ranks-*) with its {MANIFEST} beside it")
