@@ -77,9 +77,9 @@ class CaptureReader:
 
                 why = coverage_line(cov)
             if spill_dirs(self.path):
-                raise UserError(f"{self.path}: incomplete capture (its vLLM run was killed, or still runs); "
-                                f"`accucheck salvage {self.path}` keeps the forwards it "
-                                f"completed")
+                raise UserError(f"{self.path}: incomplete capture (its vLLM run was killed, "
+                                f"or still runs); `accucheck salvage {self.path}` keeps the "
+                                f"forwards it completed")
             raise UserError(f"{self.path}: incomplete capture ({why}); re-run the capture, or "
                             f"`accucheck inspect` it to see what it holds (--allow-incomplete "
                             f"compares it anyway)")

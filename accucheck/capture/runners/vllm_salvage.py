@@ -92,8 +92,9 @@ def find_spill(path: str | Path) -> Path:
         raise UserError(f"nothing to salvage for {p}: no spill directory of a vLLM capture "
                         f"(.{p.name}.ranks-*) with its {MANIFEST} beside it")
     if len(found) > 1:
-        raise UserError(f"{len(found)} spill directories of {p} ({', '.join(d.name for d in found)}): "
-                        f"name the one to salvage instead of the capture")
+        names = ", ".join(d.name for d in found)
+        raise UserError(f"{len(found)} spill directories of {p} ({names}): name the one to "
+                        f"salvage instead of the capture")
     return found[0]
 
 
@@ -144,12 +145,13 @@ def _check_out(out: Path, default: bool, force: bool) -> None:
     check_output_file(out, force)
 
 
-def salvage(path: str | Path, out: str | Path | None = None, force: bool = False) -> tuple[Path, dict]:
+def salvage(path: str | Path, out: str | Path | None = None,
+            force: bool = False) -> tuple[Path, dict]:
     """Write the capture a killed vLLM front end left (see the module docstring): the records
     of the forwards every rank completed, from the spill directory of `path` (the capture, or
     the directory itself), into `out` (default: the capture `path`, or the one the run was
-    writing), left incomplete. Everything is checked before anything is written; the spill directory is
-    removed once the capture is written. Returns (the capture, meta "salvaged")."""
+    writing), left incomplete. Everything is checked before anything is written; the spill
+    directory is removed once the capture is written. Returns (the capture, meta "salvaged")."""
     spill = find_spill(path)
     body = read_manifest(spill)
     reader = SpillReader(str(spill))
