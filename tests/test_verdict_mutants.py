@@ -989,20 +989,29 @@ def test_a_fault_behind_noise_like_rounding_is_still_named():
     assert a.location.noise_like is None
 
 
-def test_a_site_named_from_sampled_estimates_needs_both_records():
-    """Stats store: of a site's two prefill records one sampled estimate is x10 its peers, the
-    other x1: the lower median (x1) makes no culprit; of exact tensors the median (x5.5)
-    does."""
-    from accucheck.verdict.locate import _median
+def test_a_site_is_named_only_where_most_requests_stand_out():
+    """Of a site's two prefill records one is x10 its peers, the other x1. Sampled estimates
+    (stats store): the lower median over the records (x1); exact tensors: the lower median
+    over the requests of each request's median (x1): no culprit either way (before, the
+    median of exact tensors, x5.5, named it). Raised in both requests (x10 and x8): named."""
+    from accucheck.verdict.locate import _median, _over_requests
 
     for basis, want in (("sample", 1.0), ("stats", 1.0), ("tensor", 5.5)):
         assert _median([10.0, 1.0], type("R", (), {"basis": basis})()) == want, basis
-    d = D()
-    for req in (0, 1):
-        for i in range(6):
-            err = 0.6 if (i == 3 and req == 1) else 0.06
-            d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:in.0", 0.01, tol=0.05)
-            d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:out.0", err, tol=0.05,
-                  src={"0": f"model.layers.{i}.mlp.down_proj#0:in.0"})
-    a = d.analysis(compute=("bfloat16", "bfloat16"))
-    assert a.culprit.module == "model.layers.3.mlp.down_proj"  # tensors: the median decides
+        assert _over_requests({0: [10.0], 1: [1.0]},
+                              type("R", (), {"basis": basis})()) == 1.0, basis
+
+    def analysis(raised: dict[int, float]):
+        d = D()
+        for req in (0, 1):
+            for i in range(6):
+                err = raised.get(req, 0.06) if i == 3 else 0.06
+                d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:in.0", 0.01, tol=0.05)
+                d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:out.0", err, tol=0.05,
+                      src={"0": f"model.layers.{i}.mlp.down_proj#0:in.0"})
+        return d.analysis(compute=("bfloat16", "bfloat16"))
+
+    one = analysis({1: 0.6})
+    assert one.culprit is None and one.exit_code == 0 and one.location.noise_like is not None
+    both = analysis({0: 0.6, 1: 0.48})
+    assert both.culprit.module == "model.layers.3.mlp.down_proj"

@@ -16,8 +16,7 @@ from typing import Any
 
 from accucheck.compare.results import DiffResult, LogitsStep, RecordDiff, TokenFlip
 from accucheck.compare.routing import JUDGED_ELSEWHERE, flip_line
-from accucheck.compare.tolerances import (NEAR_TIE_FACTOR, PEER_GATE,
-                                          loosest_dtype)
+from accucheck.compare.tolerances import NEAR_TIE_FACTOR, loosest_dtype
 from accucheck.verdict.locate import Analysis
 from accucheck.report.noise import control_json, control_lines
 from accucheck.report.routing import routing_clause, routing_json, routing_lines
@@ -358,7 +357,7 @@ def to_json(a: Analysis) -> dict:
             "key": str(L.noise_like.key), "error": L.noise_like.error,
             "local": L.noise_like.local, "peers_median": L.noise_like.peers_median,
             "peers": L.noise_like.peers, "kind": L.noise_like.kind, "ratio": L.noise_like.ratio,
-            "records": L.noise_like.records, "gate": PEER_GATE,
+            "records": L.noise_like.records, "gate": L.noise_like.gate,
             "bounded": L.noise_like.bounded},
         "first_over": div(L.first_over),
         "worst": div(L.worst),

@@ -17,8 +17,7 @@ from accucheck.compare.results import DiffResult
 from accucheck.compare.metrics import TensorMetrics
 from accucheck.compare.routing import RoutingFlip
 from accucheck.compare.tolerances import (CONTROL_MIN_RATIO, CONTROL_MIN_RATIO_ESTIMATED,
-                                          CONTROL_ORIGIN, CONTROL_ORIGIN_ESTIMATED, CONTROL_Z,
-                                          PEER_GATE)
+                                          CONTROL_ORIGIN, CONTROL_ORIGIN_ESTIMATED, CONTROL_Z)
 from accucheck.keys import RecordKey
 
 INPUT_BASES = ("inputs", "links", "proxy", "shadow", "none")
@@ -118,7 +117,7 @@ class Suspicious:
 @dataclass(frozen=True)
 class NoiseLike:
     """The first record over tolerance that introduces error, when its site introduces no more
-    than PEER_GATE x what its peers do (no control, no golden referee; verdict.locate's peer
+    than `gate` x what its peers do (no control, no golden referee; verdict.locate's peer
     gate): rounding noise of the dtype, or a defect shared by every module of its kind; no
     culprit is named for it."""
     key: RecordKey
@@ -129,12 +128,14 @@ class NoiseLike:
     kind: str
     tolerance: float
     ratio: float                  # its site's local error / its peers', median over `records`
+                                  # (verdict.locate's _over_requests, _over_phases)
     records: int                  # the site's records with enough peers
-    # a site without peers (peers == 0) is judged against what feeds it: `ratio` is then the
-    # median of error / what explains it, and `gate` the amplification it stays within
+    # the ratio above which it would be named: PEER_GATE (PEER_GATE_ESTIMATED of estimated
+    # errors); a site without peers (peers == 0) is judged against what feeds it: `ratio` is
+    # then the median of error / what explains it, and `gate` the amplification it stays within
     gate: float | None = None
     # estimates only (stats store): the site stands out in sampled estimates, but `ratio` is
-    # the lower median of its statistics' lower bound over what feeds it, and at most 1
+    # the lower median of its statistics' lower bound over what feeds it, at most `gate` = 1
     bounded: bool = False
 
     @property
@@ -149,7 +150,7 @@ class NoiseLike:
                     f"median over its {self.records} request(s) and step(s) (a culprit does "
                     f"it in every one: > x{self.gate:g})")
         return (f"a site that introduces {self.ratio:.2g}x what its peers ({self.kind}) do, "
-                f"median (a culprit stands out: > {PEER_GATE:g}x)")
+                f"median over its requests (a culprit stands out: > {self.gate:g}x)")
 
 
 @dataclass(frozen=True)
