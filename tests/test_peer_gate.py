@@ -135,8 +135,8 @@ def test_peers_that_introduce_nothing_make_no_infinite_ratio():
     """Peers whose local error is 0 (containers their children explain) are floored at the
     noise floor's smallest judged local error (5 % of the tolerance): layer 5's norm over
     tolerance in request 0 (x18 the floor), a little error in requests 1 and 2 (x4.8) and none
-    in request 3 has a lower median over the requests of x4.8: noise-like. Unfloored, three
-    of its four ratios would be infinite and the site a culprit."""
+    in request 3 has a median of x4.8: noise-like. Unfloored, three of its four ratios would
+    be infinite and the site a culprit."""
     a = _chain({(0, 5): 0.045, (1, 5): 0.012, (2, 5): 0.012}, quiet=0.0, requests=4)
     n = a.location.noise_like
     assert a.culprit is None and n is not None and n.records == 4
@@ -170,7 +170,8 @@ def test_a_site_that_stands_out_in_one_request_only_is_not_named():
     token's attention core did between two correct bf16 devices on SmolLM2 (x19 and x36 in one
     request, x1.3 and x0.4 in the other; docs/control.md). Per request, the lower median:
     noise-like. The median over the phase's four records (x10.5, the rule before) named it.
-    The same site at x7 in both requests' decode records is named."""
+    The same site at x7 in both requests' decode records is named, and at x20 in one request's
+    prefill (a prompt served in part from the prefix cache meets a fault alone there)."""
     one = {(0, 1, 5): 0.4, (0, 2, 5): 0.4}
     a = _chain(one, requests=2, steps=3)
     n = a.location.noise_like
@@ -182,6 +183,11 @@ def test_a_site_that_stands_out_in_one_request_only_is_not_named():
     assert both.culprit is not None and \
         both.culprit.module == "model.layers.5.post_attention_layernorm"
     assert both.location.first_divergence.key.step == 1
+    prefill = _chain({(1, 0, 5): 0.4}, requests=2, steps=3)
+    assert prefill.location.noise_like is None
+    assert prefill.culprit is not None and \
+        prefill.culprit.module == "model.layers.5.post_attention_layernorm"
+    assert prefill.location.first_divergence.key.req == 1
 
 def _sampled(bound_at_5: float) -> Analysis:
     """The stats store: two requests through 10 layers of norm -> down_proj, every record an

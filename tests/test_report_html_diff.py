@@ -213,11 +213,8 @@ def test_request_switch_colours_and_marks_one_request(tmp_path):
     one = base(rng, steps=(0, 1), layers=4)
     t = {**one, **{k.replace("r0.", "r1.", 1): v * 0.5 for k, v in one.items()}}
     c = dict(t)
-    # over tolerance in request 1 only; in request 0 within it (2e-5 against 5e-5), yet over
-    # its identical peers there too: the site stands out in both requests (the peer gate)
-    for req, eps in ((0, 2e-5), (1, 1e-2)):
-        for k in (f"r{req}.s0:model.layers.2.mlp#0:out.0", f"r{req}.s0:model.layers.2#0:out.0"):
-            c[k] = t[k] * (1 + eps * rng.standard_normal(t[k].shape))
+    for k in ("r1.s0:model.layers.2.mlp#0:out.0", "r1.s0:model.layers.2#0:out.0"):
+        c[k] = t[k] * (1 + 1e-2 * rng.standard_normal(t[k].shape))  # request 1 only
     a = analyze(write(tmp_path / "a.h5", t, prompts=((1, 2, 3),) * 2, gen=((4, 5),) * 2),
                 write(tmp_path / "b.h5", c, prompts=((1, 2, 3),) * 2, gen=((4, 5),) * 2))
     assert a.culprit.module == "model.layers.2.mlp" and a.culprit.req == 1
@@ -229,8 +226,7 @@ def test_request_switch_colours_and_marks_one_request(tmp_path):
         ["all", "0", "1"]
     (td,) = p.tds("m-culprit")
     x = p.cell(td)
-    # request 1's record is the culprit; request 0's, within tolerance, SUSPICIOUS
-    assert td["data-q"].split() == ["culprit.1", "first.1", "sus.0"]
+    assert td["data-q"].split() == ["culprit.1", "first.1"]  # request 1's record is marked
     assert x["req_colour"][0] in "z01234" and x["req_colour"][1] in "56789"
     assert x["per_request"][0] < x["tolerance"] < x["per_request"][1]
     for td in p.tds("z") + p.tds("b0"):  # passed over all requests: passed in each

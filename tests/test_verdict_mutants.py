@@ -989,29 +989,34 @@ def test_a_fault_behind_noise_like_rounding_is_still_named():
     assert a.location.noise_like is None
 
 
-def test_a_site_is_named_only_where_most_requests_stand_out():
-    """Of a site's two prefill records one is x10 its peers, the other x1. Sampled estimates
-    (stats store): the lower median over the records (x1); exact tensors: the lower median
-    over the requests of each request's median (x1): no culprit either way (before, the
-    median of exact tensors, x5.5, named it). Raised in both requests (x10 and x8): named."""
+def test_a_decode_site_is_named_only_where_most_requests_stand_out():
+    """Of a site's two records one is x10 its peers, the other x1. Sampled estimates (stats
+    store): the lower median over the records (x1), at either phase. Exact tensors: at the
+    prefill the median (x5.5: a fault one request's prefill meets alone, x20 there, is named);
+    at a decode step the lower median over the requests of each request's median (x1): no
+    culprit (before, the median, x5.5, named it); raised in both requests (x10 and x8): named."""
     from accucheck.verdict.locate import _median, _over_requests
 
     for basis, want in (("sample", 1.0), ("stats", 1.0), ("tensor", 5.5)):
-        assert _median([10.0, 1.0], type("R", (), {"basis": basis})()) == want, basis
-        assert _over_requests({0: [10.0], 1: [1.0]},
-                              type("R", (), {"basis": basis})()) == 1.0, basis
+        r = type("R", (), {"basis": basis})()
+        assert _median([10.0, 1.0], r) == want, basis
+        assert _over_requests({0: [10.0], 1: [1.0]}, r, False) == want, basis
+        assert _over_requests({0: [10.0], 1: [1.0]}, r, True) == 1.0, basis
 
-    def analysis(raised: dict[int, float]):
+    def analysis(raised: dict[int, float], step: int):
         d = D()
         for req in (0, 1):
-            for i in range(6):
-                err = raised.get(req, 0.06) if i == 3 else 0.06
-                d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:in.0", 0.01, tol=0.05)
-                d.add(f"r{req}.s0:model.layers.{i}.mlp.down_proj#0:out.0", err, tol=0.05,
-                      src={"0": f"model.layers.{i}.mlp.down_proj#0:in.0"})
+            for st in range(step + 1):
+                for i in range(6):
+                    err = raised.get(req, 0.06) if i == 3 and st == step else 0.06
+                    d.add(f"r{req}.s{st}:model.layers.{i}.mlp.down_proj#0:in.0", 0.01, tol=0.05)
+                    d.add(f"r{req}.s{st}:model.layers.{i}.mlp.down_proj#0:out.0", err,
+                          tol=0.05, src={"0": f"model.layers.{i}.mlp.down_proj#0:in.0"})
         return d.analysis(compute=("bfloat16", "bfloat16"))
 
-    one = analysis({1: 0.6})
+    one = analysis({1: 0.6}, step=1)
     assert one.culprit is None and one.exit_code == 0 and one.location.noise_like is not None
-    both = analysis({0: 0.6, 1: 0.48})
+    both = analysis({0: 0.6, 1: 0.48}, step=1)
     assert both.culprit.module == "model.layers.3.mlp.down_proj"
+    prefill = analysis({1: 1.2}, step=0)
+    assert prefill.culprit.module == "model.layers.3.mlp.down_proj"

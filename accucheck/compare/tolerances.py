@@ -62,16 +62,18 @@ NOISE_FLOOR_FACTOR = 5.0
 # Peer gate (verdict.locate.peer_gate, no control and no golden referee): the first record over
 # tolerance that introduces error is named a culprit only when its site stands out: its local
 # error / its peers' median local error (the noise floor's peers, at least
-# NOISE_FLOOR_MIN_PEERS; floored at NOISE_FLOOR_MIN_FRACTION x the tolerance), per phase the
-# lower median over the requests of each request's median (estimated errors: the lower median
-# over all the phase's records), the larger phase (estimated: the smaller), is above PEER_GATE
-# (PEER_GATE_ESTIMATED); else it is noise-like and no culprit is named. First chosen from
+# NOISE_FLOOR_MIN_PEERS; floored at NOISE_FLOOR_MIN_FRACTION x the tolerance), the median over
+# the prefill records, at the decode steps the lower median over the requests of each
+# request's median (estimated errors: the lower median over each phase's records), the larger
+# phase (estimated: the smaller), is above PEER_GATE (PEER_GATE_ESTIMATED); else it is
+# noise-like and no culprit is named. First chosen from
 # float32 vs bfloat16 SmolLM2 (bench/bench_control.py): clean sites at most 3.2x, a planted
 # norm fault at x2 its natural noise at 3.9-8.7x. Against emulated correct devices
 # (bench/bench_devices.py, full store) an attention core stood over 4x its peers at decode in
-# one request in 3 of 568 clean diffs (x8-x36 there, x0-x1.3 in the other request; 4.46 at
-# most by the per-request measure): hence the per-request median and 5.5 for exact errors
-# (docs/control.md, "Without a control"). The stats store's estimates raised no such alarm.
+# one request in 3 of 568 clean diffs (x8-x36 there, x0-x1.3 in the other request; 5.03 at
+# most, a prefill median, under this measure): hence the per-request median at decode and 5.5
+# for exact errors (docs/control.md, "The peer gate per request"). The stats store's
+# estimates raised no such alarm.
 PEER_GATE = 5.5
 PEER_GATE_ESTIMATED = 4.0
 # Control rule (verdict.noise, with --control): a site (a record key without request and

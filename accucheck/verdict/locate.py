@@ -23,7 +23,7 @@ shows first and where it is largest, and no culprit is named.
 
 Peer gate (no control, no golden referee): a record over tolerance that introduces error is
 the first divergence only when its site's local error stands out from its peers' (more than
-PEER_GATE x their median, in most requests, at the site's prefill or decode records; a site
+PEER_GATE x their median, at the site's prefill or, in most requests, decode records; a site
 without peers, such as the logits, against what feeds it: `_Gate`); the records that
 introduce error are judged in execution order until one stands out, the first that does not
 is `noise_like`. In
@@ -233,13 +233,13 @@ class _Gate:
     peers (the noise floor's: same module kind, operator and slot within `window` layers, same
     request and step; at least `min_peers`): its local error over their median local error
     (floored at NOISE_FLOOR_MIN_FRACTION x the tolerance: peers that introduce nothing,
-    containers whose children explain them, make no infinite ratio). Noise-like: that ratio
-    over the site's prefill records, and over its decode records (other kernels), each the
-    lower median over the requests of the request's median (`_over_requests`), are both at
-    most `factor` (default PEER_GATE; PEER_GATE_ESTIMATED of estimated errors). A kernel fault
-    raises every record of its site; rounding noise that pushes one record over the tolerance
-    first does not (in a bf16 run of a deep model, some layer's norm always does), nor one
-    request's token whose attention core stands out. Both phases count: a fault's
+    containers whose children explain them, make no infinite ratio). Noise-like: that ratio,
+    the median over the site's prefill records, and over its decode records (other kernels)
+    the lower median over the requests of each request's median (`_over_requests`), are both
+    at most `factor` (default PEER_GATE; PEER_GATE_ESTIMATED of estimated errors). A kernel
+    fault raises every record of its site; rounding noise that pushes one record over the
+    tolerance first does not (in a bf16 run of a deep model, some layer's norm always does),
+    nor one request's decode token whose attention core stands out. Both phases count: a fault's
     consequences raise the local error of the layers after it at the prefill (its peers
     there), much less at a decode step. Of records whose error is an estimate (stats store:
     rel_l2 from statistics and sampled values), the lower median over all the phase's records
@@ -333,7 +333,7 @@ class _Gate:
                 first = (med, len(peers))
         if first is None:
             return False
-        ratio = _over_phases([_over_requests(x, r) for x in ratios.values()], r)
+        ratio = _over_phases([_over_requests(x, r, ph) for ph, x in ratios.items()], r)
         factor = self.factor if self.factor is not None else \
             PEER_GATE_ESTIMATED if r.basis in ESTIMATED else PEER_GATE
         if ratio > factor:
@@ -436,18 +436,20 @@ def _median(values: list[float], r: RecordDiff) -> float:
         statistics.median(values)
 
 
-def _over_requests(by_request: dict[int, list[float]], r: RecordDiff) -> float:
-    """A site's ratio over one phase's records: of exact errors (full store) the lower median
-    over the requests of each request's median, so that a site stands out only where it does
-    in most requests (all of two): at a decode step one token's attention core can stand far
-    over its peers in one request and not in the other (measured between two correct bf16
-    devices on SmolLM2: x19 and x36 at both decode steps of one request, x1.3 and x0.4 in the
-    other; docs/control.md); a kernel fault raises every request's. A fault that only one
-    request of several reaches is left to a control. Of estimated records, `_median` over
-    them all."""
-    if r.basis in ESTIMATED:
-        return _median([v for x in by_request.values() for v in x], r)
-    return statistics.median_low([statistics.median(x) for x in by_request.values()])
+def _over_requests(by_request: dict[int, list[float]], r: RecordDiff, decode: bool) -> float:
+    """A site's ratio over one phase's records. At the decode steps, of exact errors (full
+    store): the lower median over the requests of each request's median, so that a site
+    stands out there only where it does in most requests (all of two): a decode record is one
+    token, and one token's attention core can stand far over its peers in one request and not
+    in the other (measured between two correct bf16 devices on SmolLM2: x19 and x36 at both
+    decode steps of one request, x1.3 and x0.4 in the other; docs/control.md); a kernel fault
+    raises every request's. At the prefill (a record spans the prompt) and of estimated
+    records: `_median` over the phase's records, so that a fault one request's prefill meets
+    alone (a prompt served in part from the prefix cache: x700 its peers, 0 in the other
+    request) is still named."""
+    if decode and r.basis not in ESTIMATED:
+        return statistics.median_low([statistics.median(x) for x in by_request.values()])
+    return _median([v for x in by_request.values() for v in x], r)
 
 
 def _over_phases(medians: list[float], r: RecordDiff) -> float:
