@@ -20,10 +20,13 @@ def _m(err: float) -> TensorMetrics:
 
 
 def _chain(errors: dict[tuple[int, int, str], float], requests: int = 2,
-           basis: str = "tensor", controls: int = 3) -> Analysis:
+           basis: str = "tensor", controls: int = 3,
+           control_at: dict[tuple[int, int, str], tuple[float, ...]] | None = None
+           ) -> Analysis:
     """`requests` requests through LAYERS layers of norm -> down_proj (linked), every control
-    error 1e-3 (`controls` of them) and the candidate's error 1e-3 x errors.get((req, layer,
-    site), a quiet 0.97 / 1.0 alternation) for (req, layer, "norm" | "down")."""
+    error 1e-3 (`controls` of them; control_at[(req, layer, site)] where given) and the
+    candidate's error 1e-3 x errors.get((req, layer, site), a quiet 0.97 / 1.0 alternation)
+    for (req, layer, "norm" | "down")."""
     recs = []
     for req in range(requests):
         prev = None
@@ -39,7 +42,7 @@ def _chain(errors: dict[tuple[int, int, str], float], requests: int = 2,
                     tolerance=Tolerance(5e-2), basis=basis, metrics=_m(1e-3 * ratio),
                     stats=StatsDelta(False, 0.0, "l2", 0) if basis == "sample" else None,
                     src=(("0", str(prev)),) if prev is not None else (),
-                    control=(1e-3,) * controls))
+                    control=(control_at or {}).get((req, layer, site), (1e-3,) * controls)))
                 prev = key
     d = DiffResult("ref.h5", "cand.h5", None, tuple(recs), (), (), None, (), (), 0, (),
                    control_paths=tuple(f"c{i}.h5" for i in range(controls)))
@@ -253,3 +256,32 @@ def test_a_close_call_against_one_control_says_a_second_would_tell():
         f" [{ONE_CONTROL_HINT}]")
     assert ONE_CONTROL_HINT not in line(1.4, 2)
     assert ONE_CONTROL_HINT not in line(4.0, 1)
+
+
+def test_a_site_the_control_runs_disagree_on_needs_more_to_stand_out():
+    """Two control runs; layer 6's down_proj stands x1.3 over their mean in both requests. Where
+    both runs measure the same noise there it is more than noise (threshold x1.15). Where one
+    run happened to be quiet at that site and the other noisy (0.75e-3 and 1.25e-3, the same
+    mean), the candidate is x1.73 over one and x1.04 over the other: the mean of two is that
+    uncertain there, and the threshold widens by the standard error of the mean of the site's
+    log excess against each run alone (x1.29: sqrt(1.73 / 1.04)). Measured: a dithered
+    device's last attention core (pair 74) and a mixed one's layer-10 core (pair 50) were
+    flagged against the mean of two controls at x1.03-1.05 their threshold, and by one control
+    only (docs/control.md). A fault at x2 is still named."""
+    split = {(r, 6, "down"): (0.75e-3, 1.25e-3) for r in range(2)}
+
+    def run(strength, control_at):
+        return _chain({(r, 6, "down"): strength for r in range(2)} |
+                      {(r, ly, s): strength for r in range(2) for ly in range(7, LAYERS)
+                       for s in ("norm", "down")}, controls=2, control_at=control_at)
+
+    agree = run(1.3, None)
+    assert agree.culprit is not None and agree.culprit.module == "model.layers.6.mlp.down_proj"
+    disagree = run(1.3, split)
+    site = next(s for s in disagree.location.noise.sites
+                if s.site == "model.layers.6.mlp.down_proj#0:out.0")
+    assert abs(site.disagreement - (1.3 / 0.75e-3 / (1.3 / 1.25e-3)) ** 0.5) < 1e-9
+    assert not disagree.location.noise.flagged and disagree.culprit is None
+    assert disagree.exit_code == 0
+    fault = run(2.0, split)
+    assert fault.culprit is not None and fault.culprit.module == "model.layers.6.mlp.down_proj"

@@ -15,7 +15,12 @@ def _site_json(s: NoiseSite) -> dict:
     return {"site": s.site, "kind": s.kind, "key": str(s.key), "excess": s.excess,
             "threshold": s.threshold, "z": s.z, "records": s.records,
             "location": s.location, "spread": s.spread, "peers": s.peers,
-            "flagged": s.flagged}
+            "flagged": s.flagged, "disagreement": s.disagreement}
+
+
+def _wider(s: NoiseSite) -> str:
+    return f", x{number(s.disagreement)} wider: the control runs disagree here" \
+        if s.disagreement >= 1.005 else ""
 
 
 def control_json(v: NoiseVerdict | None) -> dict | None:
@@ -50,7 +55,8 @@ def control_lines(v: NoiseVerdict, fmt: str) -> list[str]:
     for s in shown:
         lines.append(f"{'MORE THAN NOISE' if s.flagged else 'within noise'}: {s.site}: excess "
                      f"x{number(s.excess)} over {s.records} records (threshold "
-                     f"x{number(s.threshold)}: its {s.peers} peers' spread), first at {s.key}")
+                     f"x{number(s.threshold)}: its {s.peers} peers' spread"
+                     f"{_wider(s)}), first at {s.key}")
     if len(v.flagged) > MAX_SITES:
         lines.append(f"... {len(v.flagged) - MAX_SITES} more sites (--format json)")
     rows = [[ly, f"x{number(r)}", f"x{number(m)}", site] for ly, r, m, site in layer_ratios(v)]

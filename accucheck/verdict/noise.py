@@ -34,6 +34,11 @@ every record. The candidate is compared with it record by record:
   excess (1.4826 x their median / sqrt 2): a fault shifts every layer after it from "less
   noisy than the control, by chance" to "exactly as noisy as what feeds it", a step that
   would inflate a plain spread across layers, but is one step among thirty;
+- with two or more control runs, the threshold widens by the standard error of their mean at
+  the site (`_disagreement`: the site's excess judged against each run alone): where one run
+  happened to be quiet and another noisy, their mean is that uncertain. Against the mean of
+  two, correct devices were flagged at x1.03-1.05 their threshold by one control run only
+  (an attention core, bench/bench_devices.py, docs/control.md);
 
 Named: the flagged site's first record, in execution order, whose own excess is over the
 site's threshold (else its largest). The first flagged site in the forward pass (where the site
@@ -67,25 +72,9 @@ def _floor(r: RecordDiff) -> float:
 def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | None:
     if not diff.control_paths:
         return None
-    ratios: dict[str, float] = {}
-    base: dict[str, tuple[RecordDiff, float, tuple[float, float]]] = {}
-    for r in diff.records:
-        if r.control is None or r.basis == "shape" or locs[str(r.key)].unattributed \
-                or r.routing in JUDGED_ELSEWHERE:
-            continue
-        f = _floor(r)
-        expected = sum(r.control) / len(r.control)
-        ratios[str(r.key)] = max(r.elem_error, f) / max(expected, f)
-        base[str(r.key)] = (r, expected, (min(r.control), max(r.control)))
-    recs = []
-    for k, (r, expected, spread) in base.items():
-        ins = [ratios[f] for f in locs[k].feeders if f in ratios and f != k]
-        recs.append(RecordNoise(r.key, r.elem_error, expected, spread, ratios[k],
-                                max(ins, default=1.0)))
-    by_site: dict[str, list[tuple[RecordDiff, RecordNoise]]] = {}
-    for x in recs:
-        by_site.setdefault(x.key.site, []).append((base[str(x.key)][0], x))
-    gm = {s: _evidence([x for _, x in xs]) for s, xs in by_site.items()}
+    recs, by_site, gm = _excess(diff, locs, lambda c: sum(c) / len(c))
+    n = len(diff.control_paths)
+    alone = [_excess(diff, locs, lambda c, i=i: c[i])[2] for i in range(n)] if n > 1 else []
     kinds: dict[str, list[str]] = {}
     for s, xs in by_site.items():
         kinds.setdefault(peer_kind(xs[0][1].key), []).append(s)
@@ -108,12 +97,12 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
             xs = sorted(by_site[s], key=lambda p: (p[0].key.step, p[0].key.req, p[0].order))
             least = CONTROL_MIN_RATIO_ESTIMATED if all(r.estimated for r, _ in xs) \
                 else CONTROL_MIN_RATIO
-            limit = max(math.exp(location + CONTROL_Z * spread), least)
+            widen = _disagreement([g[s] for g in alone if s in g])
+            limit = max(math.exp(location + CONTROL_Z * spread), least) * widen
             named = next((x for _, x in xs if x.excess > limit),
                          max((x for _, x in xs), key=lambda x: x.excess))
-            site = NoiseSite(s, kind, named.key, gm[s], len(xs), location, spread,
-                             len(members), False, least)
-            sites.append(NoiseSite(**{**site.__dict__, "flagged": gm[s] > site.threshold}))
+            sites.append(NoiseSite(s, kind, named.key, gm[s], len(xs), location, spread,
+                                   len(members), gm[s] > limit, least, widen))
     # a site's place in the forward pass: where it first runs (earliest step, request, order).
     # Not where its named record is: a fault upstream may cross the threshold first in a later
     # request than a site it feeds, and the site that runs first is the one that introduces it
@@ -125,6 +114,42 @@ def judge(diff: DiffResult, locs: dict[str, RecordLocation]) -> NoiseVerdict | N
     sites.sort(key=lambda s: -s.z)
     return NoiseVerdict(diff.control_paths, tuple(recs), tuple(sites), tuple(flagged), lead,
                         flagged[0] if lead is not None and lead is not flagged[0] else None)
+
+
+def _excess(diff: DiffResult, locs: dict[str, RecordLocation], expect
+            ) -> tuple[list[RecordNoise], dict[str, list[tuple[RecordDiff, RecordNoise]]],
+                       dict[str, float]]:
+    """Every judged record's ratio and excess against `expect(r.control)` (the controls'
+    mean, or one control run alone), the records by site, and each site's evidence."""
+    ratios: dict[str, float] = {}
+    base: dict[str, tuple[RecordDiff, float, tuple[float, float]]] = {}
+    for r in diff.records:
+        if r.control is None or r.basis == "shape" or locs[str(r.key)].unattributed \
+                or r.routing in JUDGED_ELSEWHERE:
+            continue
+        f = _floor(r)
+        expected = expect(r.control)
+        ratios[str(r.key)] = max(r.elem_error, f) / max(expected, f)
+        base[str(r.key)] = (r, expected, (min(r.control), max(r.control)))
+    recs = []
+    for k, (r, expected, spread) in base.items():
+        ins = [ratios[f] for f in locs[k].feeders if f in ratios and f != k]
+        recs.append(RecordNoise(r.key, r.elem_error, expected, spread, ratios[k],
+                                max(ins, default=1.0)))
+    by_site: dict[str, list[tuple[RecordDiff, RecordNoise]]] = {}
+    for x in recs:
+        by_site.setdefault(x.key.site, []).append((base[str(x.key)][0], x))
+    return recs, by_site, {s: _evidence([x for _, x in xs]) for s, xs in by_site.items()}
+
+
+def _disagreement(alone: list[float]) -> float:
+    """How far a site's excess depends on which control run measures it: exp of the standard
+    error of the mean of its log excess against each control alone (for two runs, the square
+    root of their ratio); 1 with one control. The threshold widens by it."""
+    logs = [math.log(g) for g in alone if g > 0]
+    if len(logs) < 2:
+        return 1.0
+    return math.exp(statistics.stdev(logs) / math.sqrt(len(logs)))
 
 
 def _evidence(records: list[RecordNoise]) -> float:

@@ -181,6 +181,9 @@ class NoiseSite:
     peers: int            # sites of its kind, itself included
     flagged: bool
     min_ratio: float = CONTROL_MIN_RATIO  # the least excess that is more than noise
+    disagreement: float = 1.0  # how far the control runs disagree here (verdict.noise
+    # ._disagreement: the standard error of their mean, as a factor; 1 with one control run):
+    # the threshold widens by it
 
     @property
     def z(self) -> float:
@@ -190,7 +193,8 @@ class NoiseSite:
     @property
     def threshold(self) -> float:
         """The excess above which this site is more than noise."""
-        return max(math.exp(self.location + CONTROL_Z * self.spread), self.min_ratio)
+        return max(math.exp(self.location + CONTROL_Z * self.spread), self.min_ratio) \
+            * self.disagreement
 
     @property
     def origin(self) -> float:
