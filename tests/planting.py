@@ -7,8 +7,9 @@ children):
     norm    model.layers.L.post_attention_layernorm, norm:part:D (variance over part of the row)
     linear  model.layers.L.mlp.down_proj, tile:D (one K tile accumulated with a wrong scale)
     act     model.layers.L.mlp.act_fn, act:slope:D (a wrong constant inside SiLU)
-    core    model.layers.L.self_attn, op:aten._softmax:inscale:1+D (the attention core, between
-            q/k/v_proj and o_proj: seen at o_proj's input, blamed on self_attn)
+    core    model.layers.L.self_attn, attn:scale:1+D (the attention core's softmax scale off, in
+            any attention implementation, sdpa's fused kernel included: between q/k/v_proj
+            and o_proj, seen at o_proj's input, blamed on self_attn)
     rotary  model.rotary_emb, op:aten.cos|aten.sin:inscale:1+D (rotary angles off)
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ def fault(kind: str, layer: int, d: float) -> tuple[tuple[str, str], str, str]:
         return (m, f"act:slope:{d:.6g}"), f"{m}#0:out.0", m
     if kind == "core":
         m = f"{L}.self_attn"
-        return (m, f"op:aten._softmax:inscale:{1 + d:.8g}"), f"{m}.o_proj#0:in.0", m
+        return (m, f"attn:scale:{1 + d:.8g}"), f"{m}.o_proj#0:in.0", m
     if kind == "rotary":
         m = "model.rotary_emb"
         return (m, f"op:aten.cos|aten.sin:inscale:{1 + d:.8g}"), f"{m}#0:out.0", m

@@ -23,6 +23,10 @@ record's natural noise; bench/bench_control.py does):
                        with weight (1 + D) (a tile accumulated with a wrong scale); nn.Linear
     act:slope:D        recompute SiLU as x * sigmoid((1 + D) x) (a wrong constant inside an
                        activation kernel); for act modules
+    attn:scale:F       the attention core's softmax scale times F (a kernel with a wrong scale
+                       constant: scores off by a factor, in whatever attention implementation
+                       runs, sdpa's fused kernel included); for transformers attention modules
+                       (self_attn, whose `scaling` the attention function is called with)
 
 Op-level faults (inside `module`, every call of one operator computes differently; the fault
 acts at the dispatcher, below accucheck's op recorder, so an op-level capture sees one op with a
@@ -35,8 +39,10 @@ faulty output, exactly like a faulty device kernel):
     op:OP:scale:F             OP's output times F (e.g. a wrong epsilon / scale constant)
     op:OP:inscale:F           OP on its first argument times F: a softmax with a wrong scale
                               (op:aten._softmax:inscale:1.01 inside self_attn: the attention
-                              core, which no module record covers), rotary angles off by a
-                              factor (op:aten.cos|aten.sin:inscale:1.001 inside rotary_emb)
+                              core, which no module record covers; eager attention only, sdpa's
+                              fused kernel calls no aten._softmax: attn:scale:F reaches both),
+                              rotary angles off by a factor (op:aten.cos|aten.sin:inscale:1.001
+                              inside rotary_emb)
 
 OP is the operator with or without overload ("aten.mm" or "aten.mm.default"), or several
 joined by "|".
@@ -62,7 +68,7 @@ from torch import nn
 from accucheck.errors import UserError
 
 FAULTS = ("bf16", "fp16", "noise:REL", "scale:F", "acc:bf16:K", "act:silu_fast", "act:gelu_tanh",
-          "norm:part:D", "tile:D", "act:slope:D",
+          "norm:part:D", "tile:D", "act:slope:D", "attn:scale:F",
           "op:OP:bf16", "op:OP:fp16", "op:OP:tanh", "op:OP:scale:F", "op:OP:inscale:F",
           "router:E:D", "router:noise:S", "expert:E:scale:F")
 TILE = 64  # input features of the tile `tile:D` mis-scales
@@ -118,6 +124,10 @@ def planted(model: nn.Module, module: str, fault: str, seed: int = 0) -> Iterato
         return
     if fault.startswith("router:"):
         with _planted_router(mods[module], module, fault, seed):
+            yield
+        return
+    if fault.startswith("attn:scale:"):
+        with _attention_scale(mods[module], module, fault):
             yield
         return
     if fault.startswith("expert:"):
@@ -188,6 +198,35 @@ def _tile_scale(mod: nn.Module, name: str, d: float):
         extra = x[..., :TILE].float() @ mod.weight[:, :TILE].float().t()
         return (t.float() + d * extra).to(t.dtype)
     return tile
+
+
+@contextmanager
+def _attention_scale(mod: nn.Module, name: str, fault: str) -> Iterator[None]:
+    """attn:scale:F: during each forward of `mod`, its `scaling` (the softmax scale transformers'
+    attention modules pass to the attention function) is F x its own, restored on return (hooks:
+    they travel with a converted copy of the model)."""
+    try:
+        f = float(fault.split(":", 2)[2])
+    except ValueError:
+        raise UserError(f"fault {fault!r}: use attn:scale:F (F a number)") from None
+    if not isinstance(getattr(mod, "scaling", None), (int, float)):
+        raise UserError(f"cannot plant {fault!r} in {name}: it is not an attention module with "
+                        f"a softmax scale (`scaling`)")
+
+    def enter(m, _a):
+        m._accucheck_scaling = m.scaling
+        m.scaling = m.scaling * f
+
+    def leave(m, _a, _o):
+        m.scaling = m.__dict__.pop("_accucheck_scaling", m.scaling)
+
+    handles = [mod.register_forward_pre_hook(enter, prepend=True),
+               mod.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _numbers(fault: str, first, second) -> tuple:
