@@ -4,7 +4,8 @@ npu, mixed, dither), each store mode, with and without a control. Not a test: it
 table of docs/control.md ("Correct devices").
 
     python bench/bench_devices.py [--pairs 12] [--first-pair 0] [--devices gpu,npu,mixed,dither]
-        [--stores stats,full] [--faults | --only-faults] [--fault-layers 4,14,24]
+        [--stores stats,full] [--faults | --only-faults] [--fault-kinds linear,act,core,norm,rotary]
+        [--fault-layers 4,14,24]
         [--strengths 0.5,1.25,2,4]
         [--columns fp32 ref,bf16 ref,control,2 controls,plain control]
         [--controls 1] [--json rows.json]
@@ -94,7 +95,10 @@ class Runs:
         from accucheck.capture.emulate import emulated
         from accucheck.capture.faults import planted as plant
 
-        path = self.work / f"{name}-{store}.h5"
+        # a planted run's file names its fault's family: a cached capture of another fault
+        # mechanism under the same name (the attention core's, before attn:scale) is not reused
+        family = f"-{planted[1].split(':')[0]}" if planted else ""
+        path = self.work / f"{name}{family}-{store}.h5"
         if path.exists():
             return path
         t = time.perf_counter()
@@ -175,8 +179,9 @@ def clean_rows(runs: Runs, pairs: range, devices: list[str], stores: list[str],
 
 def fault_rows(runs: Runs, devices: list[str], stores: list[str],
                layers: tuple[int, ...] = FAULT_LAYERS,
-               strengths: tuple[float, ...] = STRENGTHS, controls: int = 1) -> list[dict]:
-    """Graded faults (tests/planting.py) of every kind at `layers` (rotary: once), planted
+               strengths: tuple[float, ...] = STRENGTHS, controls: int = 1,
+               kinds: tuple[str, ...] = FAULT_KINDS + ("rotary",)) -> list[dict]:
+    """Graded faults (tests/planting.py) of `kinds` at `layers` (rotary: once), planted
     inside each emulated device, in each store mode, judged without and with `controls`
     control runs (1-3)."""
     prompts = POOL[:4]
@@ -185,7 +190,8 @@ def fault_rows(runs: Runs, devices: list[str], stores: list[str],
     ctls = {st: [runs.capture(f"f-ctl{i}", prompts, st, device="dither", seed=500 + i,
                               ref=full) for i in range(3)] for st in set(stores) | {"full"}}
     rows = []
-    for kind, layer in [(k, ly) for k in FAULT_KINDS for ly in layers] + [("rotary", 0)]:
+    for kind, layer in [(k, ly) for k in FAULT_KINDS if k in kinds for ly in layers] \
+            + [("rotary", 0)] * ("rotary" in kinds):
         _, site, expect = fault(kind, layer, 0.0)
         noise = natural_noise(full, ctls["full"], site)
         for s in strengths:
@@ -253,6 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stores", default="stats,full")
     ap.add_argument("--faults", action="store_true", help="also the graded faults")
     ap.add_argument("--only-faults", action="store_true", help="the graded faults alone")
+    ap.add_argument("--fault-kinds", default=",".join(FAULT_KINDS + ("rotary",)))
     ap.add_argument("--fault-layers", default=",".join(map(str, FAULT_LAYERS)))
     ap.add_argument("--strengths", default=",".join(map(str, STRENGTHS)))
     ap.add_argument("--columns", default=",".join(COLUMNS[:3]),
@@ -269,11 +276,14 @@ def main(argv=None) -> int:
     columns = tuple(args.columns.split(","))
     if set(columns) - set(COLUMNS):
         ap.error(f"--columns: one or more of {', '.join(COLUMNS)}")
+    if set(args.fault_kinds.split(",")) - set(FAULT_KINDS + ("rotary",)):
+        ap.error(f"--fault-kinds: one or more of {', '.join(FAULT_KINDS + ('rotary',))}")
     clean = [] if args.only_faults else clean_rows(runs, pairs, devices, stores,
                                                    args.prompts_per_pair, columns)
     faulty = fault_rows(runs, devices, stores,
                         tuple(int(x) for x in args.fault_layers.split(",")),
-                        tuple(float(x) for x in args.strengths.split(",")), args.controls) \
+                        tuple(float(x) for x in args.strengths.split(",")), args.controls,
+                        tuple(args.fault_kinds.split(","))) \
         if args.faults or args.only_faults else []
     print(table(clean, faulty, args.controls))
     print(f"\n{runs.made} captures made ({runs.seconds:.0f} s), total "
