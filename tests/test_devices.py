@@ -4,7 +4,7 @@ fused-kernel GPU, an NPU with other rounding choices, a per-layer mix, a dither)
 float32 and a bfloat16 CPU reference, without a control, in both store modes: exit 0, no
 culprit, no SUSPICIOUS record. And the power kept: a down_proj fault planted inside the
 fused-kernel candidate at x4 its natural noise is named exactly without a control, and at x2
-with one. Slow: CI runs it (`-m ""`); bench/bench_devices.py measures the rates."""
+with one; an attention-core fault at x2 inside its flash-style attention with two. Slow: CI runs it (`-m ""`); bench/bench_devices.py measures the rates."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -73,6 +73,28 @@ def test_a_fault_inside_a_fused_kernel_device_is_named(cap):
         a = analyze(ref, cand, controls=controls[:1] if with_control else ())
         assert a.culprit is not None and a.culprit.module == expect, (s, a.location)
         assert a.exit_code == 1
+
+
+def test_an_attention_core_fault_inside_the_flash_style_device_is_named(cap):
+    """The attention core (between q/k/v_proj and o_proj, code no record covers) with its
+    softmax scale off (attn:scale), sized to x2 its natural noise against the sdpa float32
+    reference, planted inside the gpu device's flash-style attention, default store, two
+    controls (what `diff --control auto` makes): named as self_attn, seen at o_proj's input.
+    The fault reaches sdpa's fused kernel (op:aten._softmax:inscale did not: sized to NaN)."""
+    ref = cap("ref32", dtype="float32")
+    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
+    _, site, expect = fault("core", 14, 0.0)
+    noise = natural_noise(ref, controls, site)
+
+    def calibration(name, planted_, include):
+        return cap(name, dtype="float32", fault_=planted_, include=include)
+    d = size_fault(calibration, ref, "core", 14, 2.0, noise)
+    assert 0 < d < 1, d
+    cand = cap("gpu-core-2", "stats", device="gpu", seed=7, fault_=fault("core", 14, d)[0])
+    ctl_s = [cap(f"ctl{i}", "stats", device="dither", seed=100 + i) for i in range(2)]
+    a = analyze(cap("ref32", "stats", dtype="float32"), cand, controls=tuple(ctl_s))
+    assert a.culprit is not None and a.culprit.module == expect, a.location.noise.flagged
+    assert str(a.culprit.seen_at).endswith(site) and a.exit_code == 1
 
 
 def test_in_the_stats_store_a_silu_fault_is_named_at_the_silu_not_at_what_it_feeds(cap):
