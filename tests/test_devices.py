@@ -59,16 +59,24 @@ def test_two_correct_devices_raise_no_alarm_without_a_control(cap, device, store
         assert "--control-for REF" in verdict_line(a)
 
 
-def test_a_fault_inside_a_fused_kernel_device_is_named(cap):
+def _sized(cap, kind: str, layer: int, s: float) -> tuple[float, str, str]:
+    """(strength D of `kind` at `layer` sized to s x its record's natural noise in the full
+    store against two dithered controls, the site it shows at, the module to name)."""
     ref = cap("ref32", dtype="float32")
     controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
-    _, site, expect = fault("linear", 14, 0.0)
-    noise = natural_noise(ref, controls, site)
+    _, site, expect = fault(kind, layer, 0.0)
 
     def calibration(name, planted_, include):
         return cap(name, dtype="float32", fault_=planted_, include=include)
+    return (size_fault(calibration, ref, kind, layer, s, natural_noise(ref, controls, site)),
+            site, expect)
+
+
+def test_a_fault_inside_a_fused_kernel_device_is_named(cap):
+    ref = cap("ref32", dtype="float32")
+    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
     for s, with_control in ((4.0, False), (2.0, True)):
-        d = size_fault(calibration, ref, "linear", 14, s, noise)
+        d, _, expect = _sized(cap, "linear", 14, s)
         cand = cap(f"gpu-linear-{s}", device="gpu", seed=7, fault_=fault("linear", 14, d)[0])
         a = analyze(ref, cand, controls=controls[:1] if with_control else ())
         assert a.culprit is not None and a.culprit.module == expect, (s, a.location)
@@ -81,14 +89,7 @@ def test_an_attention_core_fault_inside_the_flash_style_device_is_named(cap):
     reference, planted inside the gpu device's flash-style attention, default store, two
     controls (what `diff --control auto` makes): named as self_attn, seen at o_proj's input.
     The fault reaches sdpa's fused kernel (op:aten._softmax:inscale did not: sized to NaN)."""
-    ref = cap("ref32", dtype="float32")
-    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
-    _, site, expect = fault("core", 14, 0.0)
-    noise = natural_noise(ref, controls, site)
-
-    def calibration(name, planted_, include):
-        return cap(name, dtype="float32", fault_=planted_, include=include)
-    d = size_fault(calibration, ref, "core", 14, 2.0, noise)
+    d, site, expect = _sized(cap, "core", 14, 2.0)
     assert 0 < d < 1, d
     cand = cap("gpu-core-2", "stats", device="gpu", seed=7, fault_=fault("core", 14, d)[0])
     ctl_s = [cap(f"ctl{i}", "stats", device="dither", seed=100 + i) for i in range(2)]
@@ -103,14 +104,7 @@ def test_in_the_stats_store_a_silu_fault_is_named_at_the_silu_not_at_what_it_fee
     device: from the 64-value sample it was missed (x1.21 against x1.30 needed); from a sketch
     flooring |x| at a tenth of the RMS it was blamed on the down_proj it feeds. The same
     device without the fault stays clean against the same control."""
-    ref = cap("ref32", dtype="float32")
-    controls = [cap(f"ctl{i}", device="dither", seed=100 + i) for i in range(2)]
-    _, site, expect = fault("act", 4, 0.0)
-    noise = natural_noise(ref, controls, site)
-
-    def calibration(name, planted_, include):
-        return cap(name, dtype="float32", fault_=planted_, include=include)
-    d = size_fault(calibration, ref, "act", 4, 2.0, noise)
+    d, _, expect = _sized(cap, "act", 4, 2.0)
     ref_s, ctl_s = cap("ref32", "stats", dtype="float32"), cap("ctl0", "stats", device="dither",
                                                                seed=100)
     cand = cap("npu-act-2", "stats", device="npu", seed=7, fault_=fault("act", 4, d)[0])
